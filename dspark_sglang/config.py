@@ -1,0 +1,207 @@
+"""The frozen configuration tree and the normalised HF architecture config.
+
+Built once at the edge (CLIs, `LLM`) and passed down; every default lives here. Measured facts (KV
+block count, capacity tables) are separate values returned by whoever measured them, never written
+back. Imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration, model folder or request that cannot work; the message names the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArchConfig:
+    """Geometry of a Qwen3 / Qwen3-MoE target, normalised from an HF `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    # MoE (Qwen3-MoE only; num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.is_moe
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ArchConfig:
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if d.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true is not supported; all layers are full attention")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"unsupported hidden_act {act!r}; only silu is implemented")
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            out = cls(
+                architecture=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                intermediate_size=int(d["intermediate_size"]),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(d),
+                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                eos_token_ids=eos_ids,
+                num_experts=_num_experts(d) if arch == "Qwen3MoeForCausalLM" else 0,
+                num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
+                moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+                mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+        out.validate()
+        return out
+
+    @classmethod
+    def from_model_path(cls, path: str | Path) -> ArchConfig:
+        p = Path(path)
+        if not p.is_dir():
+            raise ConfigError(f"model path {str(p)!r} is not a directory")
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"model path {str(p)!r} has no config.json")
+        try:
+            d = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)
+
+    def validate(self) -> None:
+        checks = [
+            (self.num_attention_heads % self.num_key_value_heads == 0,
+             "num_attention_heads must be a multiple of num_key_value_heads"),
+            (self.head_dim % 2 == 0, "head_dim must be even for RoPE"),
+            (min(self.vocab_size, self.hidden_size, self.num_hidden_layers) > 0,
+             "vocab_size, hidden_size and num_hidden_layers must be positive"),
+            (not self.is_moe or 0 < self.num_experts_per_tok <= self.num_experts,
+             "num_experts_per_tok must be in [1, num_experts]"),
+            (not self.is_moe or self.moe_intermediate_size > 0,
+             "moe_intermediate_size must be positive for a MoE model"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"invalid model config: {msg}")
+
+
+def _arch_from_model_type(model_type: str | None) -> str | None:
+    return {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type or "")
+
+
+def _num_experts(d: dict[str, Any]) -> int:
+    # transformers>=5 writes `num_local_experts`; earlier releases and the hub use `num_experts`.
+    return int(d.get("num_experts", d.get("num_local_experts", 0)) or 0)
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    # transformers>=5 moved rope settings into `rope_parameters`; older configs use `rope_theta`.
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"unsupported rope_type {rope_type!r}; only default RoPE is implemented")
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    tap_layer_ids: tuple[int, ...] = ()  # DeepSpec semantics: id L = residual output of layer L
+    attention_backend: str = "torch_sdpa"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError("--max-model-len must be positive")
+        if list(self.tap_layer_ids) != sorted(set(self.tap_layer_ids)):
+            raise ConfigError("tap layer ids must be strictly increasing")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    page_size: int = 16
+    kv_cache_bytes: int = 256 << 20  # memory budget for the target KV pool
+    num_blocks: int | None = None  # overrides the budget when set (tests, profiling)
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ConfigError("--page-size must be positive")
+        if self.kv_cache_bytes <= 0 and self.num_blocks is None:
+            raise ConfigError("--kv-cache-bytes must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError("--num-blocks must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedConfig:
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one forward (prefill chunks + decodes)
+    chunked_prefill_size: int = 512  # largest prefill chunk of one request in one step
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests <= 0:
+            raise ConfigError("--max-running-requests must be positive")
+        if self.max_num_batched_tokens < self.max_running_requests:
+            raise ConfigError("--max-num-batched-tokens must be >= --max-running-requests")
+        if self.chunked_prefill_size <= 0:
+            raise ConfigError("--chunked-prefill-size must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    seed: int = 0

@@ -1,0 +1,139 @@
+"""Continuous batching: waiting/running queues, chunked prefill, preemption -> StepPlan; commit.
+
+Owns every Sequence and is, with the block pool, the only code that mutates one. Running
+sequences are planned first (oldest first), then waiting ones are admitted FIFO while the token
+budget, `max_running_requests` and free KV allow. When a running sequence cannot grow its KV,
+the newest running sequence is preempted (KV freed, recomputed later from its tokens).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dspark_sglang.config import ConfigError, SchedConfig
+from dspark_sglang.engine.block_pool import BlockPool
+from dspark_sglang.engine.sequence import FinishReason, Sequence, Status
+from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: SchedConfig, pool: BlockPool, max_model_len: int, eos_ids: tuple[int, ...]
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(eos_ids)
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._next_id = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ConfigError("prompt is empty")
+        if n >= self.max_model_len:
+            raise ConfigError(
+                f"prompt has {n} tokens but the context limit is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        # The KV a sequence can ever hold: every token but the last sampled one.
+        peak = min(n + params.max_tokens, self.max_model_len) - 1
+        if self.pool.blocks_for(peak) > self.pool.num_blocks:
+            raise ConfigError(
+                f"request needs up to {peak} KV tokens but the pool holds only "
+                f"{self.pool.num_blocks * self.pool.page_size}; lower max_tokens or raise the KV budget"
+            )
+        seq = Sequence(self._next_id, list(prompt_ids), params, arrival=self._next_id)
+        self._next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        seq = self.seqs.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            self.finish(seq, FinishReason.ABORT)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def pop_finished(self, seq_id: int) -> Sequence:
+        return self.seqs.pop(seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.cfg.max_num_batched_tokens
+        planned: list[ScheduledSeq] = []
+        preempted: list[int] = []
+        queue = sorted(self.running, key=lambda s: s.arrival)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncached, self.cfg.chunked_prefill_size, budget)
+            while not self.pool.can_grow(seq.block_table, seq.num_cached + n):
+                victim = queue.pop() if queue else seq  # newest not yet planned, else itself
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            planned.append(self._plan(seq, n))
+            budget -= n
+        if not preempted:  # no admission while the pool is short
+            while (
+                self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests
+            ):
+                seq = self.waiting[0]
+                n = min(seq.num_uncached, self.cfg.chunked_prefill_size, budget)
+                if not self.pool.can_grow(seq.block_table, seq.num_cached + n):
+                    break
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                planned.append(self._plan(seq, n))
+                budget -= n
+        return StepPlan(tuple(planned), tuple(preempted))
+
+    def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
+        self.pool.grow(seq.block_table, seq.num_cached + n)
+        return ScheduledSeq(seq.seq_id, seq.num_cached, n, sample=seq.num_cached + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    # -- commit -----------------------------------------------------------------------------
+    def commit(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance KV counts, append sampled tokens, finish on EOS/stop token/length."""
+        touched = []
+        for s in plan.seqs:
+            seq = self.seqs[s.seq_id]
+            seq.num_cached = s.start_pos + s.num_new_tokens
+            if s.seq_id not in sampled:
+                continue
+            tok = sampled[s.seq_id]
+            seq.output_ids.append(tok)
+            touched.append(seq)
+            p = seq.params
+            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+                self.finish(seq, FinishReason.STOP)
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, FinishReason.LENGTH)
+        return touched

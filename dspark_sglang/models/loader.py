@@ -1,0 +1,124 @@
+"""HF-format checkpoint folder -> Qwen3ForCausalLM: safetensors shards, key mapping, tied embeddings.
+
+Every mismatch between config and weights is reported by key name; nothing is silently skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dspark_sglang.config import ArchConfig, ConfigError
+from dspark_sglang.models.attention import create_backend
+from dspark_sglang.models.target import Qwen3ForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def build_target(
+    cfg: ArchConfig, dtype: str, device: str, tap_layer_ids: tuple[int, ...], backend: str
+) -> Qwen3ForCausalLM:
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg, create_backend(backend), tap_layer_ids)
+    model = model.to_empty(device=device).to(torch_dtype(dtype))
+    if cfg.tie_word_embeddings:  # to_empty breaks the parameter sharing; restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint shards listed in the index are missing: {missing}")
+    if not files:
+        raise ConfigError(f"model path {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def fuse_experts(sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Hub layout (experts.N.{gate,up,down}_proj.weight) -> fused gate_up_proj / down_proj."""
+    grouped: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        m = _PER_EXPERT.match(k)
+        if m:
+            grouped.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
+        else:
+            out[k] = v
+    for prefix, experts in grouped.items():
+        ids = sorted(experts)
+        if ids != list(range(num_experts)) or any(len(experts[i]) != 3 for i in ids):
+            raise ConfigError(
+                f"{prefix}: checkpoint has experts {ids[:4]}...{ids[-2:]} with incomplete "
+                f"projections; config says num_experts={num_experts}"
+            )
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[i]["gate_proj"], experts[i]["up_proj"]], 0) for i in ids]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([experts[i]["down_proj"] for i in ids])
+    return out
+
+
+def load_weights(model: Qwen3ForCausalLM, sd: dict[str, torch.Tensor]) -> None:
+    cfg = model.cfg
+    if cfg.is_moe:
+        sd = fuse_experts(sd, cfg.num_experts)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # tied: the embedding is the head
+        params.pop("lm_head.weight")
+    unexpected = sorted(set(sd) - set(params))
+    missing = sorted(set(params) - set(sd))
+    if unexpected or missing:
+        raise ConfigError(
+            "checkpoint does not match config.json: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            t = sd[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(
+                    f"weight {name} has shape {tuple(t.shape)} but config.json implies "
+                    f"{tuple(p.shape)}"
+                )
+            p.copy_(t.to(p.dtype))
+
+
+def load_target(
+    path: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    tap_layer_ids: tuple[int, ...] = (),
+    backend: str = "torch_sdpa",
+) -> Qwen3ForCausalLM:
+    p = Path(path)
+    cfg = ArchConfig.from_model_path(p)
+    model = build_target(cfg, dtype, device, tap_layer_ids, backend)
+    load_weights(model, read_state_dict(p))
+    return model

@@ -1,0 +1,91 @@
+"""Plain records shared across layers: sampling parameters, the step plan and its outputs.
+
+No behaviour beyond validation; imports only `config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dspark_sglang.config import ConfigError
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. temperature == 0 means greedy; top_k == 0 and top_p == 1 disable."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise ConfigError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a forward: `num_new_tokens` tokens starting at `start_pos`."""
+
+    seq_id: int
+    start_pos: int  # tokens already in KV before this step
+    num_new_tokens: int
+    sample: bool  # True when the last new row yields a token (decode, or prompt finished)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step runs, in batch order; preempted ids were evicted while planning."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """Tokens sampled this step, keyed by sequence id (one per sampled sequence)."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step as the capacity model and metrics see it."""
+
+    step: int
+    num_reqs: int  # R: sequences in the forward
+    num_tokens: int  # B: tokens in the forward
+    num_prefill_tokens: int
+    num_decode_reqs: int
+    kv_tokens: int  # context tokens attended (sum of start_pos + new tokens)
+    step_seconds: float
+    routed_tokens_per_expert: tuple[int, ...] = ()
