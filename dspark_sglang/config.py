@@ -63,10 +63,13 @@ class ArchConfig:
         arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if d.get("use_sliding_window"):
-            raise ConfigError("use_sliding_window=true is not supported; all layers are full attention")
+            raise ConfigError(
+                "use_sliding_window=true is not supported; all layers are full attention"
+            )
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"unsupported hidden_act {act!r}; only silu is implemented")
@@ -118,15 +121,23 @@ class ArchConfig:
 
     def validate(self) -> None:
         checks = [
-            (self.num_attention_heads % self.num_key_value_heads == 0,
-             "num_attention_heads must be a multiple of num_key_value_heads"),
+            (
+                self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_attention_heads must be a multiple of num_key_value_heads",
+            ),
             (self.head_dim % 2 == 0, "head_dim must be even for RoPE"),
-            (min(self.vocab_size, self.hidden_size, self.num_hidden_layers) > 0,
-             "vocab_size, hidden_size and num_hidden_layers must be positive"),
-            (not self.is_moe or 0 < self.num_experts_per_tok <= self.num_experts,
-             "num_experts_per_tok must be in [1, num_experts]"),
-            (not self.is_moe or self.moe_intermediate_size > 0,
-             "moe_intermediate_size must be positive for a MoE model"),
+            (
+                min(self.vocab_size, self.hidden_size, self.num_hidden_layers) > 0,
+                "vocab_size, hidden_size and num_hidden_layers must be positive",
+            ),
+            (
+                not self.is_moe or 0 < self.num_experts_per_tok <= self.num_experts,
+                "num_experts_per_tok must be in [1, num_experts]",
+            ),
+            (
+                not self.is_moe or self.moe_intermediate_size > 0,
+                "moe_intermediate_size must be positive for a MoE model",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

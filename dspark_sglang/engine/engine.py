@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,9 @@ class LLMEngine:
         self.runner = ModelRunner(config.model, config.cache)
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
         self.pool = BlockPool(self.runner.num_blocks, self.runner.page_size)
-        eos = tuple(dict.fromkeys(self.runner.arch.eos_token_ids + _generation_eos(config.model.path)))
+        eos = tuple(
+            dict.fromkeys(self.runner.arch.eos_token_ids + _generation_eos(config.model.path))
+        )
         self.scheduler = Scheduler(config.sched, self.pool, self.runner.max_model_len, eos)
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
@@ -114,13 +117,14 @@ class LLMEngine:
         out = self.runner.forward(batch)
         seqs = [self.scheduler.seqs[i] for i in batch.sample_seq_ids]
         temps, top_ks, top_ps = sampling_tensors([s.params for s in seqs], self.runner.device)
-        gens = [self._state[s.seq_id].generator for s in seqs]
+        # Greedy rows draw no noise; passing None keeps the sampler free of a host sync.
+        gens = [None if s.params.greedy else self._state[s.seq_id].generator for s in seqs]
         tokens = sample(out.logits, temps, top_ks, top_ps, gens).tolist()  # the one host sync
         touched = self.scheduler.commit(plan, dict(zip(batch.sample_seq_ids, tokens, strict=True)))
         self._record(plan, batch.num_tokens, batch.kv_tokens, out.expert_counts, t0)
         return self._collect(touched)
 
-    def _record(self, plan, num_tokens, kv_tokens, counts, t0) -> None:  # noqa: ANN001
+    def _record(self, plan, num_tokens, kv_tokens, counts, t0) -> None:
         self._step_no += 1
         if self.on_step is None:
             return
@@ -147,6 +151,8 @@ class LLMEngine:
             if st.detok is not None:
                 start = len(st.text)
                 st.text += st.detok.step([tok])
+                if seq.is_finished:  # emit bytes held back for an incomplete character
+                    st.text += st.detok.flush()
                 cut = find_stop(st.text, seq.params.stop, start)
                 if cut is not None:
                     st.text = st.text[:cut]

@@ -36,7 +36,10 @@ def allocate_kv(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks * page_size, arch.num_key_value_heads, arch.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(arch.num_hidden_layers)
     ]
 

@@ -44,7 +44,8 @@ class Scheduler:
         if self.pool.blocks_for(peak) > self.pool.num_blocks:
             raise ConfigError(
                 f"request needs up to {peak} KV tokens but the pool holds only "
-                f"{self.pool.num_blocks * self.pool.page_size}; lower max_tokens or raise the KV budget"
+                f"{self.pool.num_blocks * self.pool.page_size}; "
+                "lower max_tokens or raise the KV budget"
             )
         seq = Sequence(self._next_id, list(prompt_ids), params, arrival=self._next_id)
         self._next_id += 1
@@ -93,9 +94,7 @@ class Scheduler:
             planned.append(self._plan(seq, n))
             budget -= n
         if not preempted:  # no admission while the pool is short
-            while (
-                self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests
-            ):
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
                 seq = self.waiting[0]
                 n = min(seq.num_uncached, self.cfg.chunked_prefill_size, budget)
                 if not self.pool.can_grow(seq.block_table, seq.num_cached + n):
@@ -109,7 +108,9 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         self.pool.grow(seq.block_table, seq.num_cached + n)
-        return ScheduledSeq(seq.seq_id, seq.num_cached, n, sample=seq.num_cached + n == seq.num_tokens)
+        return ScheduledSeq(
+            seq.seq_id, seq.num_cached, n, sample=seq.num_cached + n == seq.num_tokens
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

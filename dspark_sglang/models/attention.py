@@ -87,7 +87,7 @@ class TorchSDPABackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         q_pad = q.new_zeros(meta.num_seqs, meta.max_q, num_heads, head_dim)
         q_pad[meta.q_seq, meta.q_off] = q
         k = k_cache[meta.kv_slots]  # [R, Lmax, h_kv, d]

@@ -1,4 +1,4 @@
-"""HF-format checkpoint folder -> Qwen3ForCausalLM: safetensors shards, key mapping, tied embeddings.
+"""HF checkpoint folder -> Qwen3ForCausalLM: safetensors shards, key mapping, tied embeddings.
 
 Every mismatch between config and weights is reported by key name; nothing is silently skipped.
 """

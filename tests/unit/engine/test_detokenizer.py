@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,7 +48,7 @@ def tokenizer() -> Tokenizer:
 
 def _chunks(ids: list[int], cuts: list[int]) -> list[list[int]]:
     bounds = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
-    return [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [ids[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def _stream(tok: Tokenizer, prompt: list[int], chunks: list[list[int]], skip: bool) -> str:
@@ -88,9 +90,7 @@ def test_split_multibyte_char_is_held_back(tokenizer: Tokenizer) -> None:
     deltas = [detok.step([i]) for i in ids]
     assert len(ids) >= 4  # the crab is not in the corpus, so it stays split into bytes
     assert deltas[0] == "a"
-    assert deltas[-2:] == ["🦀", "b"] or deltas[-1] == "🦀b"
-    assert all(d == "" or "\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == "a🦀b"
+    assert deltas[1:] == [""] * (len(ids) - 3) + ["🦀", "b"]
 
 
 def test_special_tokens_skipped(tokenizer: Tokenizer) -> None:

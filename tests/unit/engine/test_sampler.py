@@ -102,8 +102,10 @@ def test_processed_probs_rows_sum_to_one(dtype: torch.dtype) -> None:
     assert (kept[ks > 0] <= ks[ks > 0]).all()
 
 
-def _decode_steps(logits_rows: torch.Tensor, params: list[SamplingParams], seeds: list) -> list:
-    """Sample `steps` tokens per row with fresh generators (None for greedy rows)."""
+def _decode_steps(
+    logits_rows: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+) -> list[list[int]]:
+    """Sample one token per row for each [N, V] step, with fresh generators (None: greedy)."""
     gens = [None if s is None else make_generator(s) for s in seeds]
     temps, ks, ps = sampling_tensors(params, "cpu")
     return [sample(step, temps, ks, ps, gens).tolist() for step in logits_rows]
@@ -138,10 +140,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
 def test_each_sampled_row_draws_exactly_vocab_exponentials() -> None:
     v = 37
     logits = torch.randn(3, v, generator=make_generator(4))
-    temps, ks, ps = sampling_tensors(
-        [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)] + [SamplingParams()],
-        "cpu",
-    )
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), SamplingParams()]
+    temps, ks, ps = sampling_tensors(params, "cpu")
     gen = make_generator(5)
     tokens = sample(logits, temps, ks, ps, [gen, None, gen])
 

@@ -1,0 +1,339 @@
+"""`python -m dspark_sglang.profile`: target forward step time vs batch tokens on this machine.
+
+Times ModelRunner.forward (+ logits) on decode-like and verify-like batches built with the real
+engine pieces; prints a table or one JSON line. A CLI: imports engine/models; nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from dspark_sglang.config import DTYPES, ArchConfig, CacheConfig, ConfigError, ModelConfig
+from dspark_sglang.engine.batch import build_batch
+from dspark_sglang.engine.block_pool import BlockPool
+from dspark_sglang.engine.runner import ModelRunner
+from dspark_sglang.engine.sequence import Sequence, Status
+from dspark_sglang.models.attention import create_backend
+from dspark_sglang.models.target import Qwen3ForCausalLM
+from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
+
+SYNTHETIC_NAME = "synthetic:tiny-moe"
+# The synthetic target's config.json, written by hand so the package never needs transformers.
+SYNTHETIC_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,  # unused: every layer is MoE
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+}
+SEED = 0
+
+# Grid defaults; explicit flags override either preset.
+FULL = {
+    "batch_sizes": (1, 2, 4, 8, 16, 32),
+    "verify_lens": (0, 3, 7),
+    "num_reqs": (1, 4, 16),
+    "context_len": 256,
+    "repeats": 10,
+    "warmup": 2,
+}
+QUICK = {
+    "batch_sizes": (1, 4, 16),
+    "verify_lens": (0, 3),
+    "num_reqs": (1, 4),
+    "context_len": 64,
+    "repeats": 5,
+    "warmup": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GridPoint:
+    kind: str  # "decode" | "verify"
+    num_reqs: int  # R
+    tokens_per_req: int  # 1 for decode, 1 + l for verify
+    ctx: int  # tokens already in KV per request
+
+    @property
+    def num_tokens(self) -> int:  # B
+        return self.num_reqs * self.tokens_per_req
+
+
+def write_synthetic_model(path: Path) -> None:
+    """Random Qwen3-MoE checkpoint: matrices ~ N(0, 0.02) from a fixed seed, norm weights = 1."""
+    arch = ArchConfig.from_hf_dict(SYNTHETIC_CONFIG)
+    with torch.device("meta"):  # parameter names and shapes only; no memory
+        model = Qwen3ForCausalLM(arch, create_backend("torch_sdpa"))
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # tied head listed once
+    gen = torch.Generator().manual_seed(SEED)
+    sd = {
+        # Unit norm weights keep activations O(1) through the layers, as in a trained model.
+        name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
+        for name, shape in shapes.items()
+    }
+    save_file(sd, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(SYNTHETIC_CONFIG, indent=2))
+
+
+def make_grid(args: argparse.Namespace) -> list[GridPoint]:
+    decode = [GridPoint("decode", b, 1, args.context_len) for b in args.batch_sizes]
+    verify = [
+        GridPoint("verify", r, 1 + lv, args.context_len)
+        for r in args.num_reqs
+        for lv in args.verify_lens
+    ]
+    return decode + verify
+
+
+def blocks_needed(points: list[GridPoint], page_size: int) -> int:
+    return max(p.num_reqs * -(-(p.ctx + p.tokens_per_req) // page_size) for p in points)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_point(
+    runner: ModelRunner,
+    pool: BlockPool,
+    point: GridPoint,
+    repeats: int,
+    warmup: int,
+    gen: torch.Generator,
+) -> dict[str, Any]:
+    """Median / p10 / p90 wall time of runner.forward (+ logits) for one batch shape."""
+    total = point.ctx + point.tokens_per_req
+    seqs: dict[int, Sequence] = {}
+    try:
+        for i in range(point.num_reqs):
+            ids = torch.randint(0, runner.arch.vocab_size, (total,), generator=gen).tolist()
+            seq = Sequence(i, ids, SamplingParams(), arrival=i, num_cached=point.ctx)
+            seq.status = Status.RUNNING
+            pool.grow(seq.block_table, total)
+            seqs[i] = seq
+        plan = StepPlan(
+            tuple(ScheduledSeq(i, point.ctx, point.tokens_per_req, sample=True) for i in seqs)
+        )
+        batch = build_batch(plan, seqs, runner.page_size, runner.device)
+        # Verification scores every one of the 1+l rows, so the target computes logits for all B
+        # rows; for decode this is already the case (one row per request).
+        rows = torch.arange(batch.num_tokens, device=runner.device)
+        batch = replace(batch, sample_rows=rows)
+        times = []
+        for k in range(warmup + repeats):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            runner.forward(batch)
+            _sync(runner.device)
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        for seq in seqs.values():
+            pool.release(seq.block_table)
+    p10, median, p90 = np.percentile(times, [10, 50, 90]).tolist()
+    return {
+        "kind": point.kind,
+        "R": point.num_reqs,
+        "B": point.num_tokens,
+        "tokens_per_req": point.tokens_per_req,
+        "ctx": point.ctx,
+        "median_s": median,
+        "p10_s": p10,
+        "p90_s": p90,
+        "repeats": repeats,
+    }
+
+
+def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    points = make_grid(args)
+    page_size = CacheConfig().page_size
+    # Size the pool to the largest point exactly: the default byte budget may be too small for a
+    # big grid, and a larger pool only costs memory (timing does not depend on the pool size).
+    cache_cfg = CacheConfig(page_size=page_size, num_blocks=blocks_needed(points, page_size))
+    runner = ModelRunner(ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg)
+    longest = args.context_len + 1 + max(args.verify_lens)
+    if longest > runner.max_model_len:
+        raise ConfigError(
+            f"--context-len {args.context_len} plus {1 + max(args.verify_lens)} new tokens exceeds "
+            f"the model's max_position_embeddings {runner.max_model_len}"
+        )
+    # The KV context is random, not a prefill of real tokens: attention cost does not depend on
+    # the values, and random keys keep the attention and MoE routing away from degenerate zeros.
+    gen = torch.Generator().manual_seed(SEED)
+    for k, v in runner.kv:
+        for t in (k, v):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    pool = BlockPool(runner.num_blocks, runner.page_size)
+    return [
+        time_point(runner, pool, p, args.repeats, args.warmup, gen)
+        for p in tqdm(points, desc="profile", file=sys.stderr, disable=args.json)
+    ]
+
+
+def _int_list(minimum: int) -> Any:
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers, got {text!r}"
+            ) from None
+        if not values:
+            raise argparse.ArgumentTypeError("expected at least one integer")
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {text!r}")
+        return tuple(sorted(set(values)))
+
+    return parse
+
+
+def _int_at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_sglang.profile",
+        description="Time target forward steps (decode and verify batches) vs batch tokens.",
+    )
+
+    def grid_help(what: str, key: str) -> str:
+        fmt = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        return f"{what} (default {fmt(FULL[key])}; --quick: {fmt(QUICK[key])})"
+
+    p.add_argument(
+        "--model-path",
+        help=f"HF folder (config.json + safetensors); default: a random {SYNTHETIC_NAME} model",
+    )
+    p.add_argument(
+        "--batch-sizes", type=_int_list(1), help=grid_help("decode B = R list", "batch_sizes")
+    )
+    p.add_argument(
+        "--verify-lens", type=_int_list(0), help=grid_help("verify draft lengths l", "verify_lens")
+    )
+    p.add_argument("--num-reqs", type=_int_list(1), help=grid_help("verify R list", "num_reqs"))
+    p.add_argument(
+        "--context-len",
+        type=_int_at_least(0),
+        help=grid_help("tokens in KV per request", "context_len"),
+    )
+    p.add_argument(
+        "--repeats", type=_int_at_least(1), help=grid_help("timed forwards per point", "repeats")
+    )
+    p.add_argument(
+        "--warmup", type=_int_at_least(0), help=grid_help("untimed forwards per point", "warmup")
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="small grid (well under 30 s on 2 CPU cores)"
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
+    p.add_argument("--output", help="also write the JSON to this file")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model_path is not None and not Path(args.model_path).is_dir():
+        p.error(f"argument --model-path: {args.model_path!r} is not a directory")
+    if args.output is not None and not Path(args.output).parent.is_dir():
+        p.error(f"argument --output: directory of {args.output!r} does not exist")
+    return args
+
+
+def format_table(report: dict[str, Any]) -> str:
+    hw = report["hardware"]
+    lines = [
+        f"model {report['model']}  dtype {report['dtype']}  device {report['device']}  "
+        f"torch {report['torch']}  cpu {hw['cpu']} x{hw['num_threads']} threads",
+        f"{'kind':<7}{'R':>5}{'tok/req':>8}{'B':>6}{'ctx':>6}"
+        f"{'median ms':>11}{'p10 ms':>9}{'p90 ms':>9}{'tok/s':>10}",
+    ]
+    for pt in report["points"]:
+        lines.append(
+            f"{pt['kind']:<7}{pt['R']:>5}{pt['tokens_per_req']:>8}{pt['B']:>6}{pt['ctx']:>6}"
+            f"{pt['median_s'] * 1e3:>11.2f}{pt['p10_s'] * 1e3:>9.2f}{pt['p90_s'] * 1e3:>9.2f}"
+            f"{pt['B'] / pt['median_s']:>10.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dspark-profile-") as tmp:
+            model_path = args.model_path
+            if model_path is None:
+                write_synthetic_model(Path(tmp))
+                model_path = tmp
+            points = profile(model_path, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = {
+        "tool": "dspark_sglang.profile",
+        "model": args.model_path or SYNTHETIC_NAME,
+        "dtype": args.dtype,
+        "device": args.device,
+        "torch": torch.__version__,
+        "hardware": {
+            "cpu": platform.processor() or platform.machine(),
+            "num_threads": torch.get_num_threads(),
+        },
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "-m", "dspark_sglang.profile", *argv]),
+        "points": points,
+    }
+    if args.device.startswith("cuda"):
+        report["hardware"]["gpu"] = torch.cuda.get_device_name(args.device)
+    line = json.dumps(report)
+    if args.output is not None:
+        Path(args.output).write_text(line + "\n")
+    print(line if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

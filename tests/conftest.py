@@ -1,0 +1,84 @@
+"""Shared fixtures: small random Qwen3 / Qwen3-MoE checkpoints written by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 128
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    # HF's init (std 0.02) makes tiny models emit one token forever; larger weights give
+    # varied argmaxes so parity and generation tests actually discriminate.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def write_hf_model(path: Path, moe: bool, seed: int = 0, **overrides: object) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        eos_token_id=None,
+    )
+    if moe:
+        common.update(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=True,
+        )
+    else:
+        common.update(tie_word_embeddings=False)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    model = (
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**common))
+        if moe
+        else Qwen3ForCausalLM(Qwen3Config(**common))
+    )
+    _randomize(model, seed)
+    model.eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session", params=["dense", "moe"])
+def hf_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    moe = request.param == "moe"
+    return write_hf_model(tmp_path_factory.mktemp(request.param), moe=moe)
+
+
+def hf_reference(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def write_char_tokenizer(path: Path) -> None:
+    """A character-level tokenizer.json covering the 128-token test vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {(chr(32 + i) if i < 95 else f"<x{i}>"): i for i in range(VOCAB - 1)}
+    vocab["<|endoftext|>"] = VOCAB - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))

@@ -1,0 +1,152 @@
+"""Our Qwen3 / Qwen3-MoE over the paged cache vs transformers' full recompute (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_sglang.config import CacheConfig, ModelConfig
+from dspark_sglang.engine.batch import build_batch
+from dspark_sglang.engine.block_pool import BlockPool
+from dspark_sglang.engine.runner import ModelRunner
+from dspark_sglang.engine.sequence import Sequence
+from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
+from tests.conftest import VOCAB, hf_reference
+
+ATOL = 2e-4
+
+
+class Driver:
+    """Feeds arbitrary ragged batches straight to the runner, bypassing the scheduler."""
+
+    def __init__(self, path: Path, page_size: int = 4, taps: tuple[int, ...] = ()) -> None:
+        self.runner = ModelRunner(
+            ModelConfig(str(path), tap_layer_ids=taps),
+            CacheConfig(page_size=page_size, num_blocks=96),
+        )
+        self.pool = BlockPool(self.runner.num_blocks, page_size)
+        self.seqs: dict[int, Sequence] = {}
+
+    def new(self) -> int:
+        sid = len(self.seqs)
+        self.seqs[sid] = Sequence(sid, [], SamplingParams(), arrival=sid)
+        return sid
+
+    def run(
+        self, items: list[tuple[int, list[int]]], tap_rows: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        plan = []
+        for sid, toks in items:
+            seq = self.seqs[sid]
+            plan.append(ScheduledSeq(sid, seq.num_cached, len(toks), sample=True))
+            seq.prompt_ids += toks
+            self.pool.grow(seq.block_table, seq.num_tokens)
+        batch = build_batch(StepPlan(tuple(plan)), self.seqs, self.pool.page_size, "cpu")
+        batch.sample_rows = torch.arange(batch.num_tokens)
+        out = self.runner.forward(batch, tap_rows=tap_rows)
+        for sid, _ in items:
+            self.seqs[sid].num_cached = self.seqs[sid].num_tokens
+        sizes = [len(t) for _, t in items]
+        return list(out.logits.split(sizes)), out.taps
+
+    def rollback(self, sid: int, n: int) -> None:
+        seq = self.seqs[sid]
+        keep = seq.num_tokens - n
+        seq.prompt_ids = seq.prompt_ids[:keep]
+        seq.num_cached = keep
+        self.pool.shrink(seq.block_table, keep)
+
+
+def reference_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def rand_tokens(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+def test_prefill_matches(hf_model_dir: Path) -> None:
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir)
+    g = torch.Generator().manual_seed(1)
+    toks = rand_tokens(g, 23)
+    (logits,), _ = d.run([(d.new(), toks)])
+    torch.testing.assert_close(logits, reference_logits(hf, toks), atol=ATOL, rtol=1e-4)
+
+
+def test_step_by_step_decode_matches(hf_model_dir: Path) -> None:
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, page_size=3)
+    g = torch.Generator().manual_seed(2)
+    toks = rand_tokens(g, 5)
+    sid = d.new()
+    d.run([(sid, toks)])
+    for _ in range(12):
+        nxt = rand_tokens(g, 1)
+        (logits,), _ = d.run([(sid, nxt)])
+        toks += nxt
+        torch.testing.assert_close(logits[0], reference_logits(hf, toks)[-1], atol=ATOL, rtol=1e-4)
+
+
+def test_ragged_batch_matches_full_recompute(hf_model_dir: Path) -> None:
+    """One forward mixing a prefill chunk, a fresh prompt, a decode and a multi-token append."""
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, page_size=4)
+    g = torch.Generator().manual_seed(3)
+    a, b, c, e = d.new(), d.new(), d.new(), d.new()
+    hist = {a: rand_tokens(g, 9), b: rand_tokens(g, 6), c: rand_tokens(g, 13)}
+    d.run([(s, t) for s, t in hist.items()])  # warm the cache with ragged prefills
+    new = {a: rand_tokens(g, 7), b: rand_tokens(g, 1), c: rand_tokens(g, 5), e: rand_tokens(g, 10)}
+    outs, _ = d.run([(s, t) for s, t in new.items()])
+    for (s, t), got in zip(new.items(), outs, strict=True):
+        full = hist.get(s, []) + t
+        want = reference_logits(hf, full)[-len(t) :]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
+def test_rollback_then_append_matches(hf_model_dir: Path) -> None:
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, page_size=4)
+    g = torch.Generator().manual_seed(4)
+    sid = d.new()
+    toks = rand_tokens(g, 10)
+    d.run([(sid, toks)])
+    d.run([(sid, rand_tokens(g, 6))])  # verify-like append, then reject all 6 ...
+    d.rollback(sid, 6)
+    assert len(d.seqs[sid].block_table) == d.pool.blocks_for(10)
+    nxt = rand_tokens(g, 3)  # ... and continue on a different branch
+    (logits,), _ = d.run([(sid, nxt)])
+    torch.testing.assert_close(logits, reference_logits(hf, toks + nxt)[-3:], atol=ATOL, rtol=1e-4)
+
+
+# The last layer is left out: HF's final hidden_states entry is post-norm (DeepSpec forbids it too).
+@pytest.mark.parametrize("taps", [(-1, 0, 1), (1,)])
+def test_hidden_state_taps_follow_deepspec(hf_model_dir: Path, taps: tuple[int, ...]) -> None:
+    """Tap id L = residual output of layer L = HF hidden_states[L + 1]; -1 = embeddings."""
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, taps=taps)
+    g = torch.Generator().manual_seed(5)
+    toks = rand_tokens(g, 11)
+    rows = torch.tensor([0, 4, 10])
+    _, got = d.run([(d.new(), toks)], tap_rows=rows)
+    with torch.no_grad():
+        hs = hf(input_ids=torch.tensor([toks]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[lid + 1][0, rows] for lid in taps], dim=-1)
+    assert got is not None and got.shape == (3, len(taps) * d.runner.arch.hidden_size)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
+def test_moe_routed_counts(tmp_path: Path) -> None:
+    from tests.conftest import write_hf_model
+
+    d = Driver(write_hf_model(tmp_path / "m", moe=True))
+    sid = d.new()
+    d.seqs[sid].prompt_ids += list(range(5))
+    d.pool.grow(d.seqs[sid].block_table, 5)
+    plan = StepPlan((ScheduledSeq(sid, 0, 5, True),))
+    out = d.runner.forward(build_batch(plan, d.seqs, d.pool.page_size, "cpu"))
+    # 5 tokens x top-2 x 2 MoE layers (layer 1 is mlp_only)
+    assert out.expert_counts is not None and int(out.expert_counts.sum()) == 5 * 2 * 2

@@ -1,0 +1,135 @@
+"""The step-timing CLI: JSON schema on the synthetic and an HF-written model, flag errors exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dspark_sglang.profile import SYNTHETIC_NAME, main
+
+TINY_GRID = [
+    "--quick",
+    "--json",
+    "--batch-sizes",
+    "1,3",
+    "--verify-lens",
+    "0,2",
+    "--num-reqs",
+    "2",
+    "--context-len",
+    "20",
+    "--repeats",
+    "3",
+    "--warmup",
+    "1",
+]
+POINT_KEYS = {"kind", "R", "B", "tokens_per_req", "ctx", "median_s", "p10_s", "p90_s", "repeats"}
+
+
+def _run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, "--json prints exactly one line"
+    return json.loads(out)
+
+
+def _check_report(report: dict[str, Any], model: str) -> None:
+    assert report["tool"] == "dspark_sglang.profile"
+    assert report["model"] == model
+    assert (report["dtype"], report["device"]) == ("float32", "cpu")
+    assert isinstance(report["torch"], str) and report["date"]
+    assert set(report["hardware"]) == {"cpu", "num_threads"}
+    assert report["hardware"]["num_threads"] >= 1
+    assert report["command"].startswith("python -m dspark_sglang.profile --quick --json")
+    grid = [(p["kind"], p["R"], p["tokens_per_req"], p["B"]) for p in report["points"]]
+    assert grid == [
+        ("decode", 1, 1, 1),
+        ("decode", 3, 1, 3),
+        ("verify", 2, 1, 2),
+        ("verify", 2, 3, 6),
+    ]
+    for p in report["points"]:
+        assert set(p) == POINT_KEYS
+        assert p["ctx"] == 20 and p["repeats"] == 3
+        assert p["median_s"] > 0
+        assert p["p10_s"] <= p["median_s"] <= p["p90_s"]
+
+
+def test_synthetic_model_json_and_output_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "profile.json"
+    report = _run_json([*TINY_GRID, "--output", str(out_file)], capsys)
+    _check_report(report, SYNTHETIC_NAME)
+    assert json.loads(out_file.read_text()) == report
+
+
+def test_hf_written_dense_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    report = _run_json([*TINY_GRID, "--model-path", str(tmp_path)], capsys)
+    _check_report(report, str(tmp_path))
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a for a in TINY_GRID if a != "--json"]
+    assert main([*argv, "--batch-sizes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert SYNTHETIC_NAME in out and "median ms" in out
+    assert len(out.strip().splitlines()) == 2 + 3  # header, column names, one row per point
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--batch-sizes", "0,2"], "--batch-sizes"),
+        (["--batch-sizes", "1,x"], "--batch-sizes"),
+        (["--batch-sizes", ""], "--batch-sizes"),
+        (["--num-reqs", "-1"], "--num-reqs"),
+        (["--verify-lens", "-1"], "--verify-lens"),
+        (["--context-len", "-5"], "--context-len"),
+        (["--repeats", "0"], "--repeats"),
+        (["--warmup", "two"], "--warmup"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--model-path", "/nonexistent/model"], "--model-path"),
+        (["--model-path"], "--model-path"),
+        (["--output", "/nonexistent/dir/p.json"], "--output"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_config_error_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert main(["--quick", "--model-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "LlamaForCausalLM" in err
+
+
+def test_context_beyond_model_limit_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quick", "--json", "--context-len", "40000", "--batch-sizes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--context-len" in err
