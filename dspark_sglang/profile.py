@@ -182,19 +182,22 @@ def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     # Size the pool to the largest point exactly: the default byte budget may be too small for a
     # big grid, and a larger pool only costs memory (timing does not depend on the pool size).
     cache_cfg = CacheConfig(page_size=page_size, num_blocks=blocks_needed(points, page_size))
-    runner = ModelRunner(ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg)
+    # Check the length limit before the runner allocates a KV pool sized for it.
+    limit = ArchConfig.from_model_path(model_path).max_position_embeddings
     longest = args.context_len + 1 + max(args.verify_lens)
-    if longest > runner.max_model_len:
+    if longest > limit:
         raise ConfigError(
             f"--context-len {args.context_len} plus {1 + max(args.verify_lens)} new tokens exceeds "
-            f"the model's max_position_embeddings {runner.max_model_len}"
+            f"the model's max_position_embeddings {limit}"
         )
+    runner = ModelRunner(ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg)
     # The KV context is random, not a prefill of real tokens: attention cost does not depend on
     # the values, and random keys keep the attention and MoE routing away from degenerate zeros.
-    gen = torch.Generator().manual_seed(SEED)
+    kv_gen = torch.Generator(device=runner.device).manual_seed(SEED)
     for k, v in runner.kv:
-        for t in (k, v):
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        k.normal_(generator=kv_gen)
+        v.normal_(generator=kv_gen)
+    gen = torch.Generator().manual_seed(SEED)  # token ids, drawn on the host
     pool = BlockPool(runner.num_blocks, runner.page_size)
     return [
         time_point(runner, pool, p, args.repeats, args.warmup, gen)
