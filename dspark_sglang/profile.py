@@ -13,6 +13,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -205,16 +206,14 @@ def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
-def _int_list(minimum: int) -> Any:
+def _int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
     def parse(text: str) -> tuple[int, ...]:
         try:
-            values = [int(x) for x in text.split(",") if x.strip()]
+            values = [int(x) for x in text.split(",")]  # int() strips spaces, rejects ""
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected comma-separated integers, got {text!r}"
             ) from None
-        if not values:
-            raise argparse.ArgumentTypeError("expected at least one integer")
         if min(values) < minimum:
             raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {text!r}")
         return tuple(sorted(set(values)))
@@ -222,7 +221,7 @@ def _int_list(minimum: int) -> Any:
     return parse
 
 
-def _int_at_least(minimum: int) -> Any:
+def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -241,39 +240,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Time target forward steps (decode and verify batches) vs batch tokens.",
     )
 
-    def grid_help(what: str, key: str) -> str:
-        fmt = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        return f"{what} (default {fmt(FULL[key])}; --quick: {fmt(QUICK[key])})"
-
     p.add_argument(
         "--model-path",
-        help=f"HF folder (config.json + safetensors); default: a random {SYNTHETIC_NAME} model",
+        metavar="PATH",
+        help=f"HF folder (config.json + safetensors); default: random {SYNTHETIC_NAME} "
+        "(Qwen3-MoE, 4 layers, hidden 256, 8 experts top-2, vocab 4096)",
     )
-    p.add_argument(
-        "--batch-sizes", type=_int_list(1), help=grid_help("decode B = R list", "batch_sizes")
-    )
-    p.add_argument(
-        "--verify-lens", type=_int_list(0), help=grid_help("verify draft lengths l", "verify_lens")
-    )
-    p.add_argument("--num-reqs", type=_int_list(1), help=grid_help("verify R list", "num_reqs"))
-    p.add_argument(
-        "--context-len",
-        type=_int_at_least(0),
-        help=grid_help("tokens in KV per request", "context_len"),
-    )
-    p.add_argument(
-        "--repeats", type=_int_at_least(1), help=grid_help("timed forwards per point", "repeats")
-    )
-    p.add_argument(
-        "--warmup", type=_int_at_least(0), help=grid_help("untimed forwards per point", "warmup")
-    )
+    fmt = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    for flag, parse, what in (
+        ("--batch-sizes", _int_list(1), "decode B = R list"),
+        ("--verify-lens", _int_list(0), "verify draft lengths l"),
+        ("--num-reqs", _int_list(1), "verify R list"),
+        ("--context-len", _int_at_least(0), "tokens in KV per request"),
+        ("--repeats", _int_at_least(1), "timed forwards per point"),
+        ("--warmup", _int_at_least(0), "untimed forwards per point"),
+    ):
+        key = flag[2:].replace("-", "_")
+        p.add_argument(
+            flag,
+            metavar="LIST" if key in ("batch_sizes", "verify_lens", "num_reqs") else "N",
+            type=parse,
+            help=f"{what} (default {fmt(FULL[key])}; --quick: {fmt(QUICK[key])})",
+        )
     p.add_argument(
         "--quick", action="store_true", help="small grid (well under 30 s on 2 CPU cores)"
     )
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
-    p.add_argument("--output", help="also write the JSON to this file")
+    p.add_argument("--output", metavar="FILE", help="also write the JSON to this file")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:

@@ -24,7 +24,7 @@ from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sampler import make_generator, sample, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
 from dspark_sglang.engine.sequence import FinishReason, Sequence
-from dspark_sglang.types import SamplingParams, StepRecord
+from dspark_sglang.types import SamplingParams, StepPlan, StepRecord
 
 
 @dataclass
@@ -124,7 +124,14 @@ class LLMEngine:
         self._record(plan, batch.num_tokens, batch.kv_tokens, out.expert_counts, t0)
         return self._collect(touched)
 
-    def _record(self, plan, num_tokens, kv_tokens, counts, t0) -> None:
+    def _record(
+        self,
+        plan: StepPlan,
+        num_tokens: int,
+        kv_tokens: int,
+        counts: torch.Tensor | None,
+        t0: float,
+    ) -> None:
         self._step_no += 1
         if self.on_step is None:
             return

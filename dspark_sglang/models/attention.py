@@ -43,7 +43,9 @@ class ForwardContext:
     """Everything one forward needs besides token ids and positions; set for exactly one call."""
 
     attn: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, each [num_slots, h_kv, d]
+    # Per layer, each [num_slots, h_kv, d]. None = no cache (training, full recompute): the
+    # metadata's slots then index the batch's own rows (see packed_causal_metadata).
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     tap_rows: torch.Tensor | None = None  # rows whose hidden-state taps are returned
     # MoE layers add their per-expert routed-token counts here (summed over layers).
     expert_counts: torch.Tensor | None = None
@@ -69,6 +71,30 @@ def current_context() -> ForwardContext:
     if _CTX is None:
         raise RuntimeError("model forward called outside forward_context()")
     return _CTX
+
+
+def packed_causal_metadata(seq_lens: list[int], device: str | torch.device) -> AttentionMetadata:
+    """Causal attention within each of several packed sequences, no cache (training, parity)."""
+    num, max_len = len(seq_lens), max(seq_lens)
+    starts = torch.tensor([0, *seq_lens[:-1]]).cumsum(0)
+    lens = torch.tensor(seq_lens)
+    j = torch.arange(max_len)
+    kv_slots = torch.where(j[None] < lens[:, None], starts[:, None] + j[None], 0)  # [R, Lmax]
+    q_seq = torch.repeat_interleave(torch.arange(num), lens)
+    q_off = torch.cat([torch.arange(n) for n in seq_lens])
+    valid = j[None, :] < lens[:, None]  # [R, L]
+    causal = j[None, None, :] <= j[None, :, None]  # [1, Q, L]
+    pad_row = (~valid)[:, :, None] & (j == 0)[None, None, :]
+    mask = (causal & valid[:, :, None]) | pad_row
+    return AttentionMetadata(
+        slot_mapping=torch.arange(int(lens.sum()), device=device),
+        q_seq=q_seq.to(device),
+        q_off=q_off.to(device),
+        kv_slots=kv_slots.to(device),
+        mask=mask[:, None].to(device),
+        num_seqs=num,
+        max_q=max_len,
+    )
 
 
 class TorchSDPABackend:
@@ -138,9 +164,12 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, h_kv, d]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = ctx.kv_caches[self.layer_id]
-        # Write first, then read: the new tokens attend to themselves through the cache.
-        k_cache[ctx.attn.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[ctx.attn.slot_mapping] = v.to(v_cache.dtype)
+        if ctx.kv_caches is None:
+            k_cache, v_cache = k, v
+        else:
+            k_cache, v_cache = ctx.kv_caches[self.layer_id]
+            # Write first, then read: the new tokens attend to themselves through the cache.
+            k_cache[ctx.attn.slot_mapping] = k.to(k_cache.dtype)
+            v_cache[ctx.attn.slot_mapping] = v.to(v_cache.dtype)
         out = self.backend.forward(q, k_cache, v_cache, ctx.attn, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

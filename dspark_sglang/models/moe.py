@@ -45,6 +45,8 @@ class Experts(nn.Module):
         # Sort the (token, slot) pairs by expert so each expert runs one contiguous matmul.
         flat = experts.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)
+        # One host read per MoE layer to size the per-expert matmuls; a grouped-GEMM backend on
+        # GPU removes it (the engine's single-sync rule covers the attention/sampling path).
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // experts.shape[1]
         out = torch.zeros_like(x)

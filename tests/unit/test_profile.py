@@ -100,6 +100,7 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--batch-sizes", "0,2"], "--batch-sizes"),
         (["--batch-sizes", "1,x"], "--batch-sizes"),
+        (["--batch-sizes", "1,,2"], "--batch-sizes"),
         (["--batch-sizes", ""], "--batch-sizes"),
         (["--num-reqs", "-1"], "--num-reqs"),
         (["--verify-lens", "-1"], "--verify-lens"),

@@ -35,7 +35,7 @@ def edit_config(path: Path, **changes: object) -> None:
 def test_missing_folder_and_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is not a directory"):
         load_target(tmp_path / "nope")
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         load_target(tmp_path)
 
 

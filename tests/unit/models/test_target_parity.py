@@ -150,3 +150,28 @@ def test_moe_routed_counts(tmp_path: Path) -> None:
     out = d.runner.forward(build_batch(plan, d.seqs, d.pool.page_size, "cpu"))
     # 5 tokens x top-2 x 2 MoE layers (layer 1 is mlp_only)
     assert out.expert_counts is not None and int(out.expert_counts.sum()) == 5 * 2 * 2
+
+
+def test_packed_training_forward_matches_and_has_gradients(hf_model_dir: Path) -> None:
+    """No-cache mode (training): packed causal sequences equal HF per-sequence logits."""
+    from dspark_sglang.models.attention import (
+        ForwardContext,
+        forward_context,
+        packed_causal_metadata,
+    )
+    from dspark_sglang.models.loader import load_target
+
+    hf = hf_reference(hf_model_dir)
+    model = load_target(hf_model_dir)
+    g = torch.Generator().manual_seed(8)
+    seqs = [rand_tokens(g, n) for n in (7, 12, 3)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    meta = packed_causal_metadata([len(s) for s in seqs], "cpu")
+    with forward_context(ForwardContext(meta, None)):
+        hidden, _ = model(ids, pos)
+    logits = model.compute_logits(hidden)
+    want = torch.cat([reference_logits(hf, s) for s in seqs])
+    torch.testing.assert_close(logits, want, atol=ATOL, rtol=1e-4)
+    logits.logsumexp(-1).sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
