@@ -216,3 +216,112 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     seed: int = 0
+
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftArch:
+    """A DeepSpec DSpark/DFlash drafter config (deepspec_spec.md §1.8): target geometry + extras."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int = 0  # 0 = DFlash variant (no sequential head)
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_with_markov: bool = True
+    attention_bias: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "dspark" if self.markov_rank > 0 else "dflash"
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> DraftArch:
+        arch = (d.get("architectures") or ["?"])[0]
+        if arch not in ("Qwen3DSparkModel", "DSparkDraftModel"):
+            raise ConfigError(
+                f"drafter config.json has architecture {arch!r}; expected 'Qwen3DSparkModel'"
+            )
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            rank = int(d.get("markov_rank", 0) or 0)
+            out = cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                intermediate_size=int(d["intermediate_size"]),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(d),
+                block_size=int(d["block_size"]),
+                mask_token_id=int(d["mask_token_id"]),
+                target_layer_ids=tuple(int(x) for x in d["target_layer_ids"]),
+                markov_rank=rank,
+                markov_head_type=str(d.get("markov_head_type") or "vanilla"),
+                confidence_head=bool(d.get("enable_confidence_head", False)),
+                confidence_with_markov=bool(d.get("confidence_head_with_markov", rank > 0)),
+                attention_bias=bool(d.get("attention_bias", False)),
+            )
+        except KeyError as e:
+            raise ConfigError(f"drafter config.json is missing field {e.args[0]!r}") from None
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        checks = [
+            (self.block_size >= 1, "block_size must be >= 1"),
+            (0 <= self.mask_token_id < self.vocab_size, "mask_token_id must be a valid token id"),
+            (len(self.target_layer_ids) > 0, "target_layer_ids must not be empty"),
+            (
+                list(self.target_layer_ids) == sorted(set(self.target_layer_ids)),
+                "target_layer_ids must be strictly increasing",
+            ),
+            (
+                self.markov_head_type in MARKOV_HEAD_TYPES,
+                f"markov_head_type must be one of {MARKOV_HEAD_TYPES}",
+            ),
+            (
+                self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_attention_heads must be a multiple of num_key_value_heads",
+            ),
+            (
+                not (
+                    self.confidence_with_markov and self.confidence_head and self.markov_rank == 0
+                ),
+                "confidence_head_with_markov needs markov_rank > 0",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"invalid drafter config: {msg}")
+
+    def check_target(self, target: ArchConfig) -> None:
+        """The drafter shares the target's embedding, LM head and feature width."""
+        pairs = [
+            ("vocab_size", self.vocab_size, target.vocab_size),
+            ("hidden_size", self.hidden_size, target.hidden_size),
+        ]
+        for name, mine, theirs in pairs:
+            if mine != theirs:
+                raise ConfigError(f"drafter {name}={mine} does not match the target's {theirs}")
+        for lid in self.target_layer_ids:
+            if not -1 <= lid < target.num_hidden_layers - 1:
+                raise ConfigError(
+                    f"drafter target_layer_ids contains {lid}; valid taps are -1..."
+                    f"{target.num_hidden_layers - 2} (the final layer is excluded, as in DeepSpec)"
+                )

@@ -49,11 +49,18 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, h, d], k: [T, h_kv, d], positions: [T]
+        cos, sin = self._cos_sin(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def apply(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [..., T, h, d] at positions [..., T]."""
+        cos, sin = self._cos_sin(positions)
+        return _rotate(x, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = int(positions.max()) + 1 if positions.numel() else 1
         cos_t, sin_t = self._table(n, positions.device)
-        cos = cos_t[positions].unsqueeze(1)  # [T, 1, d]
-        sin = sin_t[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos_t[positions].unsqueeze(-2), sin_t[positions].unsqueeze(-2)  # [..., T, 1, d]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
