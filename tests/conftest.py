@@ -82,3 +82,63 @@ def write_char_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     tok.save(str(path / "tokenizer.json"))
+
+
+def drafter_config(target_dir: Path, kind: str = "dspark", **overrides: object) -> dict:
+    """A DeepSpec-style drafter config.json derived from a target folder (deepspec_spec.md §1.8)."""
+    import json
+
+    t = json.loads((target_dir / "config.json").read_text())
+    cfg = {
+        "architectures": ["Qwen3DSparkModel"],
+        "vocab_size": t["vocab_size"],
+        "hidden_size": t["hidden_size"],
+        "num_hidden_layers": 2,
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t["head_dim"],
+        "intermediate_size": t["intermediate_size"],
+        "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
+        "rope_parameters": t.get("rope_parameters", {"rope_theta": 10000.0}),
+        "num_target_layers": t["num_hidden_layers"],
+        "block_size": 4,
+        "mask_token_id": t["vocab_size"] - 2,
+        "target_layer_ids": [0, 1],
+        "tie_word_embeddings": False,
+    }
+    if kind != "dflash":
+        cfg.update(
+            markov_rank=8,
+            markov_head_type={"dspark": "vanilla"}.get(kind, kind),
+            enable_confidence_head=True,
+            confidence_head_with_markov=True,
+        )
+    cfg.update(overrides)
+    return cfg
+
+
+def write_drafter(
+    path: Path,
+    target_dir: Path,
+    kind: str = "dspark",
+    seed: int = 0,
+    with_embeddings: bool = False,
+    **overrides: object,
+) -> Path:
+    import json
+
+    from safetensors.torch import save_file
+
+    from dspark_sglang.config import DraftArch
+    from dspark_sglang.models.drafter import DSparkDrafter
+
+    cfg = drafter_config(target_dir, kind, **overrides)
+    model = DSparkDrafter(DraftArch.from_hf_dict(cfg))
+    _randomize(model, seed)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not with_embeddings:
+        sd = {k: v for k, v in sd.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(path / "model.safetensors"))
+    return path

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dspark_sglang.config import ArchConfig, ConfigError
+from dspark_sglang.config import ArchConfig, ConfigError, DraftArch
 from dspark_sglang.models.attention import create_backend
+from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.target import Qwen3ForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +92,10 @@ def load_weights(model: Qwen3ForCausalLM, sd: dict[str, torch.Tensor]) -> None:
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # tied: the embedding is the head
         params.pop("lm_head.weight")
+    _copy_checked(params, sd)
+
+
+def _copy_checked(params: dict[str, torch.nn.Parameter], sd: dict[str, torch.Tensor]) -> None:
     unexpected = sorted(set(sd) - set(params))
     missing = sorted(set(params) - set(sd))
     if unexpected or missing:
@@ -122,3 +127,40 @@ def load_target(
     model = build_target(cfg, dtype, device, tap_layer_ids, backend)
     load_weights(model, read_state_dict(p))
     return model
+
+
+def read_draft_arch(path: str | Path) -> DraftArch:
+    p = Path(path)
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise ConfigError(f"drafter path {str(p)!r} has no config.json")
+    try:
+        return DraftArch.from_hf_dict(json.loads(cfg.read_text()))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg} is not valid JSON: {e}") from None
+
+
+def load_drafter(path: str | Path, target: Qwen3ForCausalLM) -> DSparkDrafter:
+    """A DeepSpec-layout drafter folder; embedding and LM head alias the target's when absent.
+
+    Released DeepSpec checkpoints store frozen copies of both (deepspec_spec.md §2.3); they are
+    loaded as stored. Weights take the target's dtype and device.
+    """
+    cfg = read_draft_arch(path)
+    cfg.check_target(target.cfg)
+    p = target.lm_head.weight
+    with torch.device("meta"):
+        model = DSparkDrafter(cfg)
+    model = model.to_empty(device=p.device).to(p.dtype)
+    sd = read_state_dict(Path(path))
+    params = dict(model.named_parameters())
+    for name, src in (
+        ("embed_tokens.weight", target.model.embed_tokens),
+        ("lm_head.weight", target.lm_head),
+    ):
+        if name not in sd:
+            module = model.embed_tokens if name.startswith("embed") else model.lm_head
+            module.weight = src.weight
+            params.pop(name)
+    _copy_checked(params, sd)
+    return model.eval()
