@@ -211,10 +211,34 @@ class SchedConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """Speculative decoding: which drafter, how many tokens it drafts, how many get verified."""
+
+    path: str | None = None  # DeepSpec-layout drafter folder; None = no speculation
+    speculative_algorithm: str = "dspark"  # dspark | none (plain decoding of the same target)
+    num_speculative_tokens: int | None = None  # gamma; None = the drafter's block size
+    schedule_mode: str = "verify-all"
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm not in ("dspark", "none"):
+            raise ConfigError(
+                "--speculative-algorithm must be 'dspark' or 'none', "
+                f"got {self.speculative_algorithm!r}"
+            )
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError("--num-speculative-tokens must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None and self.speculative_algorithm == "dspark"
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     seed: int = 0
 
 

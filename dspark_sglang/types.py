@@ -46,12 +46,21 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    """One request's share of a forward: `num_new_tokens` tokens starting at `start_pos`."""
+    """One request's share of a forward: `num_new_tokens` tokens starting at `start_pos`.
+
+    A verify step is the anchor followed by `draft_ids` (num_new_tokens = 1 + len(draft_ids));
+    every one of its rows is scored.
+    """
 
     seq_id: int
     start_pos: int  # tokens already in KV before this step
     num_new_tokens: int
     sample: bool  # True when the last new row yields a token (decode, or prompt finished)
+    draft_ids: tuple[int, ...] = ()
+
+    @property
+    def num_sample_rows(self) -> int:
+        return 1 + len(self.draft_ids) if self.sample else 0
 
 
 @dataclass(frozen=True, slots=True)

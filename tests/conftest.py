@@ -142,3 +142,7 @@ def write_drafter(
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(sd, str(path / "model.safetensors"))
     return path
+
+
+# The test models are tiny: one thread is faster than two and immune to a busy machine.
+torch.set_num_threads(1)

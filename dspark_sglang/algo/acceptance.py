@@ -51,7 +51,7 @@ def bonus_distribution(
     n = num_accepted
     rows = torch.arange(p.shape[0], device=p.device)
     p_n = p[rows, n]  # [N, V]
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # row g of q is never used
+    q_pad = torch.cat([q, q.new_zeros(q.shape[0], 1, q.shape[2])], dim=1)  # row g: never used
     rejected = (n < lengths)[:, None]
     return torch.where(rejected, residual(p_n, q_pad[rows, n]), p_n)
 

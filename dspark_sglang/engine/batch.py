@@ -17,8 +17,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] row of the last new token of each sampling sequence
-    sample_seq_ids: list[int]  # the S sequences, in row order
+    sample_rows: torch.Tensor  # rows scored: the last 1 + l rows of each sampling sequence
+    sample_seq_ids: list[int]  # the sampling sequences, in row order
+    sample_counts: list[int]  # rows per sampling sequence (1 + l)
     num_tokens: int
     kv_tokens: int  # context positions attended, summed over sequences
 
@@ -33,6 +34,7 @@ def build_batch(
     q_off: list[int] = []
     sample_rows: list[int] = []
     sample_ids: list[int] = []
+    sample_counts: list[int] = []
     ctx_lens = [s.start_pos + s.num_new_tokens for s in plan.seqs]
     max_q = max(s.num_new_tokens for s in plan.seqs)
     max_kv = max(ctx_lens)
@@ -40,15 +42,16 @@ def build_batch(
     for r, s in enumerate(plan.seqs):
         seq = seqs[s.seq_id]
         end = s.start_pos + s.num_new_tokens
-        ids += seq.tokens(s.start_pos, end)
+        ids += seq.tokens(s.start_pos, end - len(s.draft_ids)) + list(s.draft_ids)
         pos += range(s.start_pos, end)
         slot_mapping += slots(seq.block_table, s.start_pos, end, page_size)
         q_seq += [r] * s.num_new_tokens
         q_off += range(s.num_new_tokens)
         kv_slots[r, :end] = torch.tensor(slots(seq.block_table, 0, end, page_size))
         if s.sample:
-            sample_rows.append(len(ids) - 1)
+            sample_rows += range(len(ids) - s.num_sample_rows, len(ids))
             sample_ids.append(s.seq_id)
+            sample_counts.append(s.num_sample_rows)
     starts = torch.tensor([s.start_pos for s in plan.seqs])
     q_lens = torch.tensor([s.num_new_tokens for s in plan.seqs])
     qi = torch.arange(max_q)
@@ -73,6 +76,7 @@ def build_batch(
         attn=attn,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sample_seq_ids=sample_ids,
+        sample_counts=sample_counts,
         num_tokens=len(ids),
         kv_tokens=sum(ctx_lens),
     )

@@ -13,17 +13,32 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from dspark_sglang.config import CacheConfig, Config, ConfigError, ModelConfig, SchedConfig
-from dspark_sglang.engine.batch import build_batch
+from dspark_sglang.algo.verify_budget import parse_schedule_mode, plan_verify_lengths
+from dspark_sglang.config import (
+    CacheConfig,
+    Config,
+    ConfigError,
+    DraftConfig,
+    ModelConfig,
+    SchedConfig,
+)
+from dspark_sglang.engine.batch import ForwardBatch, build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.detokenizer import IncrementalDetokenizer, find_stop
 from dspark_sglang.engine.runner import ModelRunner
-from dspark_sglang.engine.sampler import make_generator, sample, sampling_tensors
+from dspark_sglang.engine.sampler import make_generator, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
-from dspark_sglang.engine.sequence import FinishReason, Sequence
+from dspark_sglang.engine.sequence import Sequence
+from dspark_sglang.engine.speculative import (
+    Proposal,
+    SpecStats,
+    build_draft_batch,
+    verify_step,
+)
 from dspark_sglang.types import SamplingParams, StepPlan, StepRecord
 
 
@@ -37,6 +52,14 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     num_preemptions: int = 0
+    spec_rounds: int = 0  # verify rounds after the first token
+    spec_accepted: int = 0  # draft tokens accepted over those rounds
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens committed per verify round (DeepSpec tau, per request); 1.0 without drafts."""
+        committed = len(self.output_ids) - 1
+        return committed / self.spec_rounds if self.spec_rounds else 1.0
 
 
 @dataclass
@@ -45,6 +68,12 @@ class _ReqState:
     detok: IncrementalDetokenizer | None
     text: str = ""
     new_ids: list[int] = field(default_factory=list)
+    rounds: int = 0
+    accepted: int = 0
+
+
+# Modes that read no capacity curve get a one-entry placeholder they never index.
+_NO_SPS = np.ones(1)
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
@@ -68,13 +97,34 @@ class LLMEngine:
         on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache)
+        self.mode = parse_schedule_mode(config.draft.schedule_mode)
+        if self.mode.name in ("sync", "lagged"):
+            raise ConfigError(
+                f"--schedule-mode {self.mode} needs the capacity model, which this engine does "
+                "not have yet; use verify-all, fixed:N, threshold:C or mtp1"
+            )
+        self.runner = ModelRunner(config.model, config.cache, config.draft)
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
         self.pool = BlockPool(self.runner.num_blocks, self.runner.page_size)
-        eos = tuple(
-            dict.fromkeys(self.runner.arch.eos_token_ids + _generation_eos(config.model.path))
+        eos = self.runner.arch.eos_token_ids + _generation_eos(config.model.path)
+        self.scheduler = Scheduler(
+            config.sched, self.pool, self.runner.max_model_len, tuple(dict.fromkeys(eos))
         )
-        self.scheduler = Scheduler(config.sched, self.pool, self.runner.max_model_len, eos)
+        drafter = self.runner.drafter
+        block = drafter.cfg.block_size if drafter is not None else 0
+        self.gamma = min(config.draft.num_speculative_tokens or block, block)
+        if drafter is not None and (config.draft.num_speculative_tokens or 0) > block:
+            raise ConfigError(
+                f"--num-speculative-tokens {config.draft.num_speculative_tokens} exceeds the "
+                f"drafter's block size {block}"
+            )
+        if (
+            self.mode.name == "threshold"
+            and drafter is not None
+            and not drafter.cfg.confidence_head
+        ):
+            raise ConfigError("--schedule-mode threshold:C needs a drafter with a confidence head")
+        self.stats = SpecStats(self.gamma)
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -110,19 +160,98 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        proposal, drafts = self._draft()
+        plan = self.scheduler.schedule(drafts)
         if plan.is_empty:
-            return self._collect([])
+            return self._collect({})
         batch = build_batch(plan, self.scheduler.seqs, self.runner.page_size, self.runner.device)
         out = self.runner.forward(batch)
         seqs = [self.scheduler.seqs[i] for i in batch.sample_seq_ids]
-        temps, top_ks, top_ps = sampling_tensors([s.params for s in seqs], self.runner.device)
-        # Greedy rows draw no noise; passing None keeps the sampler free of a host sync.
-        gens = [None if s.params.greedy else self._state[s.seq_id].generator for s in seqs]
-        tokens = sample(out.logits, temps, top_ks, top_ps, gens).tolist()  # the one host sync
-        touched = self.scheduler.commit(plan, dict(zip(batch.sample_seq_ids, tokens, strict=True)))
+        planned = {s.seq_id: list(s.draft_ids) for s in plan.seqs}
+        result = verify_step(
+            out.logits, seqs, batch.sample_counts, planned, proposal, self._generators(seqs)
+        )
+        touched = self.scheduler.commit(plan, result.tokens)
+        if self.runner.drafter is not None:
+            self._extend_draft_context(plan, batch, out.taps, result.num_accepted)
+        self._count(plan, touched, result.num_accepted, proposal)
         self._record(plan, batch.num_tokens, batch.kv_tokens, out.expert_counts, t0)
         return self._collect(touched)
+
+    def _generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
+        # Greedy rows draw no noise, which keeps them identical with and without a batch.
+        return [None if s.params.greedy else self._state[s.seq_id].generator for s in seqs]
+
+    def _draft(self) -> tuple[Proposal | None, dict[int, list[int]]]:
+        """Draft gamma tokens for every decoding sequence and choose how many to verify."""
+        if self.runner.drafter is None:
+            return None, {}
+        # Decoding = the prompt is in KV and the anchor is a sampled token (not a prompt tail).
+        ready = [s for s in self.scheduler.running if s.num_uncached == 1 and s.output_ids]
+        caps = [self._verify_cap(s) for s in ready]
+        ready = [s for s, c in zip(ready, caps, strict=True) if c > 0]
+        if not ready:
+            return None, {}
+        batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
+        temps, _, _ = sampling_tensors([s.params for s in ready], self.runner.device)
+        proposal = self.runner.draft(batch, temps, self._generators(ready))
+        conf = (
+            torch.sigmoid(proposal.conf_logits[:, : self.gamma]).double().cpu().numpy()
+            if proposal.conf_logits is not None
+            else np.ones((len(ready), self.gamma))
+        )
+        max_len = np.array([min(self._verify_cap(s), self.gamma) for s in ready])
+        lens = plan_verify_lengths(self.mode, conf, _NO_SPS, max_len=max_len)
+        toks = proposal.tokens.tolist()  # draft ids go into the host-built batch
+        self.stats.drafted += len(ready) * self.gamma
+        drafts = {s.seq_id: toks[i][: int(lens[i])] for i, s in enumerate(ready)}
+        return proposal, drafts
+
+    def _verify_cap(self, seq: Sequence) -> int:
+        """Most drafts worth verifying: a round commits at most l + 1 tokens."""
+        left = seq.params.max_tokens - len(seq.output_ids)
+        room = self.runner.max_model_len - seq.num_tokens
+        return max(0, min(left, room) - 1)
+
+    def _extend_draft_context(
+        self,
+        plan: StepPlan,
+        batch: ForwardBatch,
+        taps: torch.Tensor | None,
+        accepted: dict[int, int],
+    ) -> None:
+        """Append exactly the verified rows: prefill rows, or anchor + n accepted drafts."""
+        assert taps is not None
+        rows: list[int] = []
+        start = 0
+        for s in plan.seqs:
+            keep = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
+            rows += range(start, start + keep)
+            start += s.num_new_tokens
+        idx = torch.tensor(rows, device=taps.device)
+        self.runner.extend_draft_context(
+            taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx]
+        )
+
+    def _count(
+        self,
+        plan: StepPlan,
+        touched: dict[Sequence, list[int]],
+        accepted: dict[int, int],
+        proposal: Proposal | None,
+    ) -> None:
+        if proposal is None:
+            return
+        self.stats.steps += 1
+        for s in plan.seqs:
+            seq = self.scheduler.seqs[s.seq_id]
+            if seq not in touched or s.seq_id not in proposal.seq_ids:
+                continue
+            n = min(accepted[s.seq_id], len(touched[seq]))
+            self.stats.add_round(len(s.draft_ids), n, len(touched[seq]))
+            st = self._state[s.seq_id]
+            st.rounds += 1
+            st.accepted += n
 
     def _record(
         self,
@@ -135,13 +264,14 @@ class LLMEngine:
         self._step_no += 1
         if self.on_step is None:
             return
-        decodes = sum(1 for s in plan.seqs if s.num_new_tokens == 1 and s.sample)
+        decodes = sum(1 for s in plan.seqs if s.sample and s.num_sample_rows == s.num_new_tokens)
+        prefill = sum(s.num_new_tokens for s in plan.seqs if s.num_sample_rows != s.num_new_tokens)
         self.on_step(
             StepRecord(
                 step=self._step_no,
                 num_reqs=len(plan.seqs),
                 num_tokens=num_tokens,
-                num_prefill_tokens=num_tokens - decodes,
+                num_prefill_tokens=prefill,
                 num_decode_reqs=decodes,
                 kv_tokens=kv_tokens,
                 step_seconds=time.perf_counter() - t0,
@@ -149,30 +279,37 @@ class LLMEngine:
             )
         )
 
-    def _collect(self, touched: list[Sequence]) -> list[RequestOutput]:
+    def _collect(self, touched: dict[Sequence, list[int]]) -> list[RequestOutput]:
         outs = []
-        for seq in touched:
+        for seq, new in touched.items():
             st = self._state[seq.seq_id]
-            tok = seq.output_ids[-1]
-            st.new_ids.append(tok)
+            st.new_ids += new
             if st.detok is not None:
-                start = len(st.text)
-                st.text += st.detok.step([tok])
-                if seq.is_finished:  # emit bytes held back for an incomplete character
-                    st.text += st.detok.flush()
-                cut = find_stop(st.text, seq.params.stop, start)
-                if cut is not None:
-                    st.text = st.text[:cut]
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq, FinishReason.STOP)
+                self._detokenize(seq, st, new)
             outs.append(self._output(seq, st))
-        # Aborted requests finish outside a step; report them once too.
+        # Finished requests leave the scheduler here; aborted ones are reported once too.
         for sid in [i for i, s in self.scheduler.seqs.items() if s.is_finished]:
             seq = self.scheduler.pop_finished(sid)
             st = self._state.pop(sid)
             if seq not in touched:
                 outs.append(self._output(seq, st))
         return outs
+
+    def _detokenize(self, seq: Sequence, st: _ReqState, new: list[int]) -> None:
+        assert st.detok is not None
+        for j, tok in enumerate(new):
+            start = len(st.text)
+            st.text += st.detok.step([tok])
+            if seq.is_finished and j == len(new) - 1:  # emit bytes held for a partial character
+                st.text += st.detok.flush()
+            cut = find_stop(st.text, seq.params.stop, start)
+            if cut is not None:
+                st.text = st.text[:cut]
+                drop = len(new) - 1 - j
+                self.scheduler.stop_at(seq, len(seq.output_ids) - drop)
+                if drop:
+                    del st.new_ids[-drop:]
+                return
 
     def _output(self, seq: Sequence, st: _ReqState) -> RequestOutput:
         out = RequestOutput(
@@ -184,6 +321,8 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_preemptions=seq.num_preemptions,
+            spec_rounds=st.rounds,
+            spec_accepted=st.accepted,
         )
         st.new_ids = []
         return out
@@ -217,13 +356,23 @@ class LLMEngine:
 
 
 class LLM(LLMEngine):
-    """Offline entry point: `LLM("path/to/model").generate(["hello"], SamplingParams(...))`."""
+    """Offline entry point: `LLM("path/to/model").generate(["hello"], SamplingParams(...))`.
 
-    def __init__(self, model: str, seed: int = 0, **kwargs: object) -> None:
-        groups = {ModelConfig: {}, CacheConfig: {}, SchedConfig: {}}
+    `draft_model` turns on DSpark speculation; other options are config-tree field names.
+    """
+
+    def __init__(
+        self, model: str, draft_model: str | None = None, seed: int = 0, **kwargs: object
+    ) -> None:
+        groups: dict[type, dict[str, object]] = {
+            ModelConfig: {},
+            CacheConfig: {},
+            SchedConfig: {},
+            DraftConfig: {"path": draft_model},
+        }
         for k, v in kwargs.items():
             owner = next((c for c in groups if k in c.__dataclass_fields__), None)
-            if owner is None:
+            if owner is None or k == "path":
                 raise ConfigError(f"LLM() got an unknown option {k!r}")
             groups[owner][k] = v
         super().__init__(
@@ -231,6 +380,7 @@ class LLM(LLMEngine):
                 model=ModelConfig(path=model, **groups[ModelConfig]),
                 cache=CacheConfig(**groups[CacheConfig]),
                 sched=SchedConfig(**groups[SchedConfig]),
+                draft=DraftConfig(**groups[DraftConfig]),
                 seed=seed,
             )
         )

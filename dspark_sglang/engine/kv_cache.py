@@ -18,10 +18,13 @@ def bytes_per_block(arch: ArchConfig, page_size: int, dtype: torch.dtype) -> int
     return per_token * page_size * _DTYPE_BYTES[dtype]
 
 
-def num_blocks_for(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+def num_blocks_for(
+    arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, extra_per_block: int = 0
+) -> int:
+    """Blocks that fit the budget; `extra_per_block` is the drafter's context K/V per block."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = bytes_per_block(arch, cache.page_size, dtype)
+    per_block = bytes_per_block(arch, cache.page_size, dtype) + extra_per_block
     n = cache.kv_cache_bytes // per_block
     if n < 1:
         raise ConfigError(

@@ -1,6 +1,7 @@
-"""ModelRunner: loads the target, owns the KV tensors, runs forward(ForwardBatch).
+"""ModelRunner: loads the target (and drafter), owns all KV tensors, runs the forwards.
 
-The only place model weights and KV tensors live. Returns fp32 logits for the sampling rows.
+The only place model weights and KV tensors live. The drafter's context K/V share the target's
+block tables: position p of a sequence sits in the same slot in both pools.
 """
 
 from __future__ import annotations
@@ -9,33 +10,42 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_sglang.config import ArchConfig, CacheConfig, ConfigError, ModelConfig
+from dspark_sglang.config import ArchConfig, CacheConfig, ConfigError, DraftConfig, ModelConfig
 from dspark_sglang.engine.batch import ForwardBatch
-from dspark_sglang.engine.kv_cache import allocate_kv, num_blocks_for
+from dspark_sglang.engine.kv_cache import allocate_kv, bytes_per_block, num_blocks_for
+from dspark_sglang.engine.speculative import DraftBatch, Proposal
 from dspark_sglang.models.attention import ForwardContext, forward_context
-from dspark_sglang.models.loader import load_target, torch_dtype
+from dspark_sglang.models.drafter import DSparkDrafter
+from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
 
 
 @dataclass
 class RunOutput:
     logits: torch.Tensor  # [S, V] fp32, rows of batch.sample_rows
-    taps: torch.Tensor | None  # [len(tap_rows), n_taps * H]
+    taps: torch.Tensor | None  # [T, n_taps * H] for every row, when a drafter is loaded
     expert_counts: torch.Tensor | None  # [E] routed (token, slot) pairs summed over MoE layers
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, draft_cfg: DraftConfig | None = None
+    ) -> None:
         if model_cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {model_cfg.device} requested but CUDA is not available")
         self.arch = ArchConfig.from_model_path(model_cfg.path)
         self.device = model_cfg.device
         self.dtype = torch_dtype(model_cfg.dtype)
+        draft_arch = None
+        taps = model_cfg.tap_layer_ids
+        if draft_cfg is not None and draft_cfg.enabled:
+            draft_arch = read_draft_arch(draft_cfg.path)
+            draft_arch.check_target(self.arch)
+            taps = draft_arch.target_layer_ids
         self.model = load_target(
-            model_cfg.path,
-            model_cfg.dtype,
-            model_cfg.device,
-            model_cfg.tap_layer_ids,
-            model_cfg.attention_backend,
+            model_cfg.path, model_cfg.dtype, model_cfg.device, taps, model_cfg.attention_backend
+        )
+        self.drafter: DSparkDrafter | None = (
+            load_drafter(draft_cfg.path, self.model) if draft_arch is not None else None
         )
         limit = model_cfg.max_model_len or self.arch.max_position_embeddings
         if limit > self.arch.max_position_embeddings:
@@ -45,18 +55,69 @@ class ModelRunner:
             )
         self.max_model_len = limit
         self.page_size = cache_cfg.page_size
-        self.num_blocks = num_blocks_for(self.arch, cache_cfg, self.dtype)
+        draft_geom = _draft_geometry(draft_arch) if draft_arch is not None else None
+        extra = bytes_per_block(draft_geom, self.page_size, self.dtype) if draft_geom else 0
+        self.num_blocks = num_blocks_for(self.arch, cache_cfg, self.dtype, extra)
         self.kv = allocate_kv(self.arch, self.num_blocks, self.page_size, self.dtype, self.device)
+        self.draft_kv = (
+            allocate_kv(draft_geom, self.num_blocks, self.page_size, self.dtype, self.device)
+            if draft_geom is not None
+            else []
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, tap_rows: torch.Tensor | None = None) -> RunOutput:
+        """tap_rows: rows whose taps to return; by default every row when a drafter is loaded."""
         counts = (
             torch.zeros(self.arch.num_experts, dtype=torch.long, device=self.device)
             if self.arch.is_moe
             else None
         )
+        if tap_rows is None and self.drafter is not None:
+            tap_rows = torch.arange(batch.num_tokens, device=self.device)
         ctx = ForwardContext(batch.attn, self.kv, tap_rows=tap_rows, expert_counts=counts)
         with forward_context(ctx):
             hidden, taps = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         return RunOutput(logits, taps, counts)
+
+    @torch.inference_mode()
+    def extend_draft_context(
+        self, taps: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> None:
+        """Project verified rows' taps into per-layer context K/V and store them by slot."""
+        assert self.drafter is not None
+        c = self.drafter.project_context(taps)
+        for (k_cache, v_cache), (k, v) in zip(
+            self.draft_kv, self.drafter.context_kv(c, positions), strict=True
+        ):
+            k_cache[slot_ids] = k.to(k_cache.dtype)
+            v_cache[slot_ids] = v.to(v_cache.dtype)
+
+    @torch.inference_mode()
+    def draft(
+        self, batch: DraftBatch, temperatures: torch.Tensor, gens: list[torch.Generator | None]
+    ) -> Proposal:
+        assert self.drafter is not None
+        ctx = [(k[batch.ctx_slots], v[batch.ctx_slots]) for k, v in self.draft_kv]
+        h = self.drafter.forward_block(batch.anchors, batch.anchor_pos, ctx, batch.ctx_mask)
+        tokens, q, conf = self.drafter.propose(h, batch.anchors, temperatures, gens)
+        return Proposal(batch.seq_ids, tokens, q, conf)
+
+
+def _draft_geometry(d: object) -> ArchConfig:
+    """The drafter's KV shape expressed as an ArchConfig, for the shared sizing helpers."""
+    return ArchConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=d.vocab_size,
+        hidden_size=d.hidden_size,
+        num_hidden_layers=d.num_layers,
+        num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads,
+        head_dim=d.head_dim,
+        intermediate_size=d.intermediate_size,
+        rms_norm_eps=d.rms_norm_eps,
+        rope_theta=d.rope_theta,
+        max_position_embeddings=1,
+        tie_word_embeddings=False,
+    )

@@ -75,7 +75,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- planning ---------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
+        """Plan one forward. `drafts` holds the tokens to verify for decoding sequences; when
+        the token budget or free KV falls short, verification shrinks before anyone is preempted.
+        """
+        drafts = drafts or {}
         budget = self.cfg.max_num_batched_tokens
         planned: list[ScheduledSeq] = []
         preempted: list[int] = []
@@ -83,6 +87,12 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncached, self.cfg.chunked_prefill_size, budget)
+            decoding = seq.num_uncached == 1 and bool(seq.output_ids)
+            draft = drafts.get(seq.seq_id, []) if decoding else []
+            draft = draft[: budget - 1]
+            if draft and not self.pool.can_grow(seq.block_table, seq.num_cached + 1 + len(draft)):
+                draft = []
+            n += len(draft)
             while not self.pool.can_grow(seq.block_table, seq.num_cached + n):
                 victim = queue.pop() if queue else seq  # newest not yet planned, else itself
                 self._preempt(victim)
@@ -91,7 +101,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            planned.append(self._plan(seq, n))
+            planned.append(self._plan(seq, n, tuple(draft)))
             budget -= n
         if not preempted:  # no admission while the pool is short
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
@@ -106,11 +116,10 @@ class Scheduler:
                 budget -= n
         return StepPlan(tuple(planned), tuple(preempted))
 
-    def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _plan(self, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
         self.pool.grow(seq.block_table, seq.num_cached + n)
-        return ScheduledSeq(
-            seq.seq_id, seq.num_cached, n, sample=seq.num_cached + n == seq.num_tokens
-        )
+        sample = seq.num_cached + n - len(draft) == seq.num_tokens
+        return ScheduledSeq(seq.seq_id, seq.num_cached, n, sample, draft)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -121,20 +130,40 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- commit -----------------------------------------------------------------------------
-    def commit(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance KV counts, append sampled tokens, finish on EOS/stop token/length."""
-        touched = []
+    def commit(self, plan: StepPlan, sampled: dict[int, list[int]]) -> dict[Sequence, list[int]]:
+        """Advance KV counts, roll back rejected drafts, append tokens, finish on EOS/stop/length.
+
+        `sampled[seq]` is the accepted drafts plus the bonus token; KV of rejected drafts is
+        released (their slots are overwritten before any later read).
+        """
+        touched: dict[Sequence, list[int]] = {}
         for s in plan.seqs:
             seq = self.seqs[s.seq_id]
-            seq.num_cached = s.start_pos + s.num_new_tokens
-            if s.seq_id not in sampled:
-                continue
-            tok = sampled[s.seq_id]
+            toks = sampled.get(s.seq_id, [])
+            rejected = len(s.draft_ids) - max(len(toks) - 1, 0)
+            seq.num_cached = s.start_pos + s.num_new_tokens - rejected
+            if rejected:
+                self.pool.shrink(seq.block_table, seq.num_cached)
+            if toks:
+                touched[seq] = self._append(seq, toks)
+        return touched
+
+    def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
+        p = seq.params
+        for i, tok in enumerate(toks):
             seq.output_ids.append(tok)
-            touched.append(seq)
-            p = seq.params
             if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 self.finish(seq, FinishReason.STOP)
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, FinishReason.LENGTH)
-        return touched
+            if seq.is_finished:
+                return toks[: i + 1]
+        return toks
+
+    def stop_at(self, seq: Sequence, keep: int) -> None:
+        """A stop string ended the text at output token `keep`: drop later tokens, finish."""
+        del seq.output_ids[keep:]
+        if seq.is_finished:
+            seq.finish_reason = FinishReason.STOP  # a stop string outranks the length limit
+        else:
+            self.finish(seq, FinishReason.STOP)

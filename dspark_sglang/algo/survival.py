@@ -1,0 +1,146 @@
+"""Confidence logits -> STS-scaled confidences -> prefix survival a[r, j]; max-length masking, the
+fresh-request acceptance prior and the lagged survival history. Pure numpy + stdlib: imports nothing
+from the package, and never engine, models, torch.cuda or a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Index map used by every array here: row r = request, column j-1 = draft position j (1-based as in
+# the paper), so a[:, 0] is the first draft token's survival. The anchor (position 0) has no column.
+
+
+def sts_confidences(
+    logits: np.ndarray, temperatures: Sequence[float] | np.ndarray | None = None
+) -> np.ndarray:
+    """Conditional acceptance c[r, k] = sigmoid(logit[r, k] / T_k) (paper §3.2.1, Sequential
+    Temperature Scaling). `temperatures` has one positive T per position; None means T = 1."""
+    z = np.asarray(logits, dtype=np.float64)
+    if temperatures is not None:
+        t = np.asarray(temperatures, dtype=np.float64)
+        if t.shape != z.shape[-1:] or not np.all(t > 0):
+            raise ValueError(f"need {z.shape[-1]} positive STS temperatures, got {t.tolist()}")
+        z = z / t
+    # tanh form is the overflow-free sigmoid for large |logit|.
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+def survival(confidences: np.ndarray) -> np.ndarray:
+    """Prefix survival a[r, j] = prod_{i<=j} c[r, i] (paper §3.2.2, Algorithm 1 line 2).
+
+    Confidences are clipped to [0, 1] so every row is non-increasing; the policies rely on that to
+    keep each admitted set a prefix."""
+    c = np.clip(np.asarray(confidences, dtype=np.float64), 0.0, 1.0)
+    if c.ndim != 2:
+        raise ValueError(f"confidences must be [R, gamma], got shape {c.shape}")
+    return np.cumprod(c, axis=1)
+
+
+def max_verify_lengths(tokens_left: np.ndarray, gamma: int) -> np.ndarray:
+    """Per-request cap on ℓ: a step emits up to ℓ + 1 tokens, so a request that may emit only
+    `tokens_left` more (min of max_tokens and context room, computed by the caller) verifies at most
+    tokens_left - 1 drafts."""
+    return np.clip(np.asarray(tokens_left, dtype=np.int64) - 1, 0, gamma)
+
+
+def mask_survival(surv: np.ndarray, max_len: np.ndarray) -> np.ndarray:
+    """Zero a[r, j] for j > max_len[r]; Algorithm 1 only considers candidates with a > 0 (line 4).
+    The policies' `max_len` argument does the same without a copy."""
+    cols = np.arange(1, surv.shape[1] + 1)
+    return np.where(cols[None, :] <= np.asarray(max_len)[:, None], surv, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptancePrior:
+    """Per-position conditional acceptance rates, an exponential moving average of what verification
+    realised. Stands in for the survival of requests with no published confidences yet, so the
+    lagged K (paper §5.2) never counts a fresh request as survival 1 (DESIGN §3)."""
+
+    rates: tuple[float, ...]
+    alpha: float = 0.01  # EMA weight of one (position, request) trial: memory of ~100 trials
+
+    def __post_init__(self) -> None:
+        if not self.rates or not all(0.0 <= x <= 1.0 for x in self.rates):
+            raise ValueError(f"prior rates must be a non-empty tuple in [0, 1], got {self.rates}")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"prior alpha must be in (0, 1], got {self.alpha}")
+
+    @classmethod
+    def uniform(cls, gamma: int, rate: float = 0.5, alpha: float = 0.01) -> AcceptancePrior:
+        return cls(rates=(float(rate),) * gamma, alpha=alpha)
+
+    @property
+    def gamma(self) -> int:
+        return len(self.rates)
+
+    @property
+    def survival(self) -> np.ndarray:
+        """Prior survival row [gamma] = cumulative product of the conditional rates."""
+        return np.cumprod(np.asarray(self.rates, dtype=np.float64))
+
+    def observe(self, verify_lens: np.ndarray, accepted_lens: np.ndarray) -> AcceptancePrior:
+        """New prior after one step. Position k was a conditional trial for request r iff it was
+        verified and every earlier draft was accepted (ℓ_r >= k and n_r >= k - 1); it succeeded
+        iff n_r >= k. A position with t trials moves toward its observed rate with weight
+        1 - (1-α)^t, as if the t trials were folded in one at a time at their mean."""
+        lens = np.asarray(verify_lens, dtype=np.int64)
+        acc = np.asarray(accepted_lens, dtype=np.int64)
+        if lens.shape != acc.shape or np.any(acc > lens) or np.any(acc < 0):
+            raise ValueError("accepted_lens must be in [0, verify_lens] elementwise")
+        k = np.arange(1, self.gamma + 1)[:, None]  # [gamma, 1]
+        trials = ((lens[None, :] >= k) & (acc[None, :] >= k - 1)).sum(axis=1)
+        hits = (acc[None, :] >= k).sum(axis=1)
+        old = np.asarray(self.rates)
+        observed = np.divide(hits, trials, out=old.copy(), where=trials > 0)
+        weight = 1.0 - (1.0 - self.alpha) ** trials
+        new = old + weight * (observed - old)
+        return AcceptancePrior(rates=tuple(float(x) for x in new), alpha=self.alpha)
+
+
+@dataclass(frozen=True, slots=True)
+class SurvivalHistory:
+    """Ring buffer of the last `depth` published (request ids, survival) snapshots, one per step.
+
+    The lagged scheduler (§5.2) sizes step t from the snapshot published `lag` steps earlier: push
+    after each step's drafts, then `lagged(ids, lag)` reads the snapshot pushed `lag` pushes ago
+    (lag=1 is the newest). Immutable: `push` returns a new history."""
+
+    depth: int = 2
+    snapshots: tuple[tuple[np.ndarray, np.ndarray], ...] = ()  # (sorted ids [R], survival [R, γ])
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"history depth must be >= 1, got {self.depth}")
+
+    def push(self, request_ids: np.ndarray, surv: np.ndarray) -> SurvivalHistory:
+        ids = np.asarray(request_ids, dtype=np.int64)
+        s = np.asarray(surv, dtype=np.float64)
+        if s.ndim != 2 or s.shape[0] != ids.shape[0]:
+            raise ValueError(f"survival {s.shape} does not match {ids.shape[0]} request ids")
+        order = np.argsort(ids, kind="stable")
+        ids, s = ids[order], s[order]  # fancy indexing copies, so the caller's arrays stay theirs
+        ids.setflags(write=False)
+        s.setflags(write=False)
+        return SurvivalHistory(self.depth, (*self.snapshots, (ids, s))[-self.depth :])
+
+    def lagged(self, request_ids: np.ndarray, lag: int, prior: AcceptancePrior) -> np.ndarray:
+        """Survival [R, γ] for the current requests as published `lag` steps ago; a request absent
+        from that snapshot (fresh, or no snapshot yet) gets the prior's survival row."""
+        if not 1 <= lag <= self.depth:
+            raise ValueError(f"lag must be in [1, depth={self.depth}], got {lag}")
+        ids = np.asarray(request_ids, dtype=np.int64)
+        out = np.broadcast_to(prior.survival, (ids.shape[0], prior.gamma)).copy()
+        if len(self.snapshots) < lag:
+            return out
+        old_ids, old = self.snapshots[-lag]
+        if old.shape[1] != prior.gamma:
+            raise ValueError(f"history gamma {old.shape[1]} != prior gamma {prior.gamma}")
+        if old_ids.size:
+            pos = np.minimum(np.searchsorted(old_ids, ids), old_ids.size - 1)
+            hit = old_ids[pos] == ids
+            out[hit] = old[pos[hit]]
+        return out

@@ -1,0 +1,361 @@
+"""Verify-length policies ℓ_r ∈ [0, γ]: Algorithm 1 (`early_stop`), lagged global K + live top-K
+(§5.2), the baselines, and the replay-only `oracle` / `retrospective`. Pure numpy + stdlib; imports
+only `dspark_sglang.config`, never engine, models, torch.cuda or a clock.
+
+SPS contract: `sps` is a 1-D float array indexed by B, the verify forward's size in tokens
+(B = R + Σ ℓ_r: every request always verifies its anchor row). For 1 <= B <= B_max = len(sps) - 1,
+`sps[B]` is the steps per second of that forward, positive and finite (already ceiled to the
+executed graph bucket if the capacity model does that); `sps[0]` is never read. A B beyond the
+table is not admissible: the Θ searches never return one (only min_len can force it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark_sglang.config import ConfigError
+
+DEFAULT_LAG = 2  # §5.2: K comes from the confidence outputs of two steps prior
+SERVING_MODES = ("lagged", "sync", "verify-all", "fixed", "threshold", "mtp1")
+_FORCED = 2.0  # a key above any survival: min-length positions lead the admission path
+
+# Region map of the admission path shared by every search below. Survival a[r, j] is [R, γ] with
+# column j-1 = draft position j. The path is the flat position-major index i = (j-1)*R + r sorted
+# by key descending with a stable sort (ascending on -key), so ties fall to (position asc, request
+# asc): a value-independent order that keeps each request's admitted set a prefix, since a is
+# non-increasing along a row. Keys:
+#   forced (j <= min_len[r])           -> _FORCED, admitted first whatever the value
+#   eligible (a > 0, j <= max_len[r])  -> a
+#   otherwise                          -> off the path
+# Admitting the first K path entries gives ℓ_r = #{path[:K] in row r} = i % R counts.
+
+
+def _per_request(x: np.ndarray | int | None, num_reqs: int, default: int) -> np.ndarray:
+    if x is None:
+        return np.full(num_reqs, default, dtype=np.int64)
+    out = np.broadcast_to(np.asarray(x, dtype=np.int64), (num_reqs,))
+    if np.any(out < 0):
+        raise ValueError("per-request verify lengths must be >= 0")
+    return out
+
+
+def _path(
+    surv: np.ndarray, min_len: np.ndarray | int | None, max_len: np.ndarray | int | None
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(path order over flat position-major indices, survival values along it, #forced entries)."""
+    num_reqs, gamma = surv.shape
+    by_pos = surv.T  # [γ, R] view: ravel order is position-major
+    # Ascending sort of the negated key; 1.0 marks entries off the path.
+    neg = np.where(by_pos > 0.0, -by_pos, 1.0)
+    forced = 0
+    if max_len is not None or min_len is not None:
+        hi = np.minimum(_per_request(max_len, num_reqs, gamma), gamma)
+        cols = np.arange(gamma)[:, None]
+        neg[cols >= hi[None, :]] = 1.0
+        if min_len is not None:
+            lo = np.minimum(_per_request(min_len, num_reqs, 0), hi)
+            neg[cols < lo[None, :]] = -_FORCED
+            forced = int(lo.sum())
+    flat = neg.ravel()
+    order = np.argsort(flat, kind="stable")[: np.count_nonzero(flat < 0.0)]
+    return order, by_pos.ravel()[order], forced
+
+
+def _theta(num_reqs: int, vals: np.ndarray, sps: np.ndarray) -> np.ndarray:
+    """Θ[K] = τ(K) · SPS(R + K) for K = 0..K_max, τ(K) = R + Σ of the first K path values (§3.2.2).
+    The path is cut where R + K leaves the SPS table, so every K returned is admissible."""
+    n = max(0, min(vals.size + 1, sps.size - num_reqs))
+    if n == 0:
+        return np.empty(0)
+    # ((R + v1) + v2) + ...: the same summation order as Algorithm 1's running τ.
+    tau = np.cumsum(np.concatenate(([float(num_reqs)], vals[: n - 1])))
+    return tau * sps[num_reqs : num_reqs + n]
+
+
+def _lengths(order: np.ndarray, k: int, num_reqs: int) -> np.ndarray:
+    return np.bincount(order[:k] % num_reqs, minlength=num_reqs).astype(np.int64)
+
+
+def _min_user_rate(
+    surv: np.ndarray, order: np.ndarray, sps: np.ndarray, n_theta: int
+) -> np.ndarray:
+    """u[K] = min_r (1 + Σ_{j<=ℓ_r(K)} a[r, j]) · SPS(R + K) along the path, for K < n_theta.
+
+    Request r sits in state j (ℓ_r = j, value V = 1 + cumsum a[r, :j]) for K in [k_j, k_{j+1}),
+    where k_j is the K that admits (r, j). min_r V(K) >= y iff K >= max{k_{j+1} : V_{r,j} < y},
+    so with the states sorted by V an exclusive running max of their end points inverts the lower
+    envelope in O(Rγ log Rγ); equal V across requests resolve to the same envelope value."""
+    num_reqs, gamma = surv.shape
+    if num_reqs == 0:  # no request, no floor to miss
+        return np.full(n_theta, np.inf)
+    enter = np.full(num_reqs * gamma, np.inf)
+    enter[order[: n_theta - 1]] = np.arange(1, min(order.size, n_theta - 1) + 1)
+    end = np.concatenate([enter.reshape(gamma, num_reqs).T, np.full((num_reqs, 1), np.inf)], axis=1)
+    value = 1.0 + np.concatenate([np.zeros((num_reqs, 1)), np.cumsum(surv, axis=1)], axis=1)
+    by_value = np.argsort(value.ravel(), kind="stable")
+    v, e = value.ravel()[by_value], end.ravel()[by_value]
+    reach = np.concatenate([[0.0], np.maximum.accumulate(e[:-1])])
+    k = np.arange(n_theta)
+    return v[np.searchsorted(reach, k, side="right") - 1] * sps[num_reqs : num_reqs + n_theta]
+
+
+def early_stop(
+    surv: np.ndarray,
+    sps: np.ndarray,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+    min_user_tps: float = 0.0,
+) -> np.ndarray:
+    """Algorithm 1 (paper §3.2.2): walk candidates (r, j) by survival descending (ties: position
+    asc, request asc), admit each while Θ = τ · SPS(B) strictly improves, stop at the first
+    non-improvement. The break makes it non-anticipating (Appendix A): admitting (r, k) reads only
+    path entries before it, never a[r, k+1..], which depend on the realised x_{r,k}.
+
+    min_len positions are admitted up front (value-independent, Θ_best starts there); max_len and
+    a = 0 remove candidates (Alg. 1 line 4); a B beyond the SPS table stops the walk.
+    min_user_tps > 0 (DESIGN §5) adds one more break: the admission must keep
+    min_r (1 + Σ_{j<=ℓ_r} a_{r,j}) · SPS(B) >= min(min_user_tps, its value before the admission),
+    i.e. never break a met per-request floor and never worsen an unmet one."""
+    num_reqs = surv.shape[0]
+    order, vals, forced = _path(surv, min_len, max_len)
+    theta = _theta(num_reqs, vals, sps)
+    if theta.size <= forced + 1:  # nothing beyond the forced prefix fits in the table
+        return _lengths(order, forced, num_reqs)
+    better = theta[forced + 1 :] > theta[forced:-1]
+    if min_user_tps > 0.0:
+        rate = _min_user_rate(surv, order, sps, theta.size)[forced:]
+        better &= rate[1:] >= np.minimum(min_user_tps, rate[:-1])
+    k = forced + (better.size if better.all() else int(np.argmin(better)))
+    return _lengths(order, k, num_reqs)
+
+
+def lagged_global_k(
+    lagged_surv: np.ndarray,
+    sps: np.ndarray,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+    min_user_tps: float = 0.0,
+) -> int:
+    """Capacity K (total admitted draft tokens, B = R + K) of the lagged scheduler (paper §5.2):
+    the unconstrained argmax over all K of Θ(K) = (R + Σ top-K a) · SPS(R + K), no early stop, so
+    jagged SPS cliffs cannot trap it. `lagged_surv` is [R, γ] for the *current* requests as
+    published `lag` steps earlier (survival.SurvivalHistory.lagged; prior rows for fresh requests):
+    K never sees this step's tokens. Ties pick the smallest K; min_len drafts count toward K.
+
+    min_user_tps > 0 (DESIGN §5): argmax over the K whose predicted min_r (1 + Σ a_r) · SPS(R + K)
+    >= min_user_tps; if no K meets the floor, the K with the best floor."""
+    num_reqs = lagged_surv.shape[0]
+    order, vals, forced = _path(lagged_surv, min_len, max_len)
+    theta = _theta(num_reqs, vals, sps)
+    if theta.size <= forced:
+        return forced
+    if min_user_tps > 0.0:
+        rate = _min_user_rate(lagged_surv, order, sps, theta.size)[forced:]
+        meets = rate >= min_user_tps
+        if not meets.any():
+            return forced + int(np.argmax(rate))
+        return forced + int(np.argmax(np.where(meets, theta[forced:], -np.inf)))
+    return forced + int(np.argmax(theta[forced:]))
+
+
+def assign_top_k(
+    live_surv: np.ndarray,
+    k: int,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+) -> np.ndarray:
+    """Admit the top-K candidates by *live* survival (paper §5.2, dynamic top-K), ties broken by
+    (position asc, request asc) so the rank of (r, k) never depends on a[r, k+1..]. Each request's
+    admitted set is a prefix; min_len positions are admitted first (even past K), max_len and a = 0
+    are never admitted, so fewer than K are admitted when fewer are eligible."""
+    num_reqs = live_surv.shape[0]
+    order, _, forced = _path(live_surv, min_len, max_len)
+    return _lengths(order, max(int(k), forced), num_reqs)
+
+
+def expected_throughput(surv: np.ndarray, lengths: np.ndarray, sps: np.ndarray) -> float:
+    """Predicted Θ = Σ_r (1 + Σ_{j<=ℓ_r} a_{r,j}) · SPS(R + Σ ℓ_r) (§3.2.2); -inf off the table."""
+    lens = np.asarray(lengths)
+    b = surv.shape[0] + int(lens.sum())
+    if b >= sps.size:
+        return -np.inf
+    admitted = np.arange(surv.shape[1])[None, :] < lens[:, None]
+    return float((surv.shape[0] + surv[admitted].sum()) * sps[b])
+
+
+# Baselines: each reads only the shape (and values, for threshold) of this step's [R, γ] matrix.
+
+
+def verify_all(confidences: np.ndarray, *, max_len: np.ndarray | int | None = None) -> np.ndarray:
+    """ℓ_r = γ: verify every draft (the classic speculative-decoding baseline)."""
+    return fixed(confidences, confidences.shape[1], max_len=max_len)
+
+
+def fixed(
+    confidences: np.ndarray, n: int, *, max_len: np.ndarray | int | None = None
+) -> np.ndarray:
+    """ℓ_r = min(n, γ, max_len_r): a static verify length."""
+    num_reqs, gamma = confidences.shape
+    return np.minimum(min(int(n), gamma), _per_request(max_len, num_reqs, gamma)).astype(np.int64)
+
+
+def mtp1(confidences: np.ndarray, *, max_len: np.ndarray | int | None = None) -> np.ndarray:
+    """ℓ_r = 1: the MTP-1 production baseline the paper compares against (§1, Fig. 7)."""
+    return fixed(confidences, 1, max_len=max_len)
+
+
+def threshold(
+    confidences: np.ndarray,
+    c_min: float,
+    *,
+    max_len: np.ndarray | int | None = None,
+    cumulative: bool = False,
+) -> np.ndarray:
+    """DeepSpec's static threshold (paper §3.2.2 "prior methods"; deepspec_spec §4.2b): verify the
+    longest prefix whose per-step conditional confidences c_{r,k} are all >= c_min. cumulative=True
+    compares survival a_{r,k} instead. Either way a step-independent constant decides."""
+    c = np.clip(np.asarray(confidences, dtype=np.float64), 0.0, 1.0)
+    if cumulative:
+        c = np.cumprod(c, axis=1)
+    run = np.cumprod(c >= c_min, axis=1).sum(axis=1)
+    return np.minimum(run, _per_request(max_len, c.shape[0], c.shape[1])).astype(np.int64)
+
+
+# Comparison-only policies: never in SERVING_MODES, parse_schedule_mode rejects them.
+
+
+def oracle(
+    accepted_lens: np.ndarray,
+    gamma: int,
+    sps: np.ndarray,
+    *,
+    max_len: np.ndarray | int | None = None,
+) -> np.ndarray:
+    """Clairvoyant replay bound: knows the realised accepted length n_r of each full draft.
+    Verifying K drafts, accepted ones first, emits R + min(K, Σ n_r) tokens; the oracle maximises
+    that times SPS(R + K) over every admissible K (wasted drafts only pay on a non-monotone table)
+    and spreads them by (position asc, request asc). Needs the future: replay/simulation only."""
+    n = np.asarray(accepted_lens, dtype=np.int64)
+    num_reqs = n.shape[0]
+    hi = np.minimum(_per_request(max_len, num_reqs, gamma), gamma)
+    good = np.minimum(n, hi)
+    kk = np.arange(max(0, min(int(hi.sum()) + 1, sps.size - num_reqs)))
+    if kk.size == 0:
+        return np.zeros(num_reqs, dtype=np.int64)
+    tokens = num_reqs + np.minimum(kk, good.sum())
+    k = int(np.argmax(tokens * sps[num_reqs + kk]))
+    cols = np.arange(gamma)[:, None]  # position-major [γ, R], like _path
+    accepted = np.flatnonzero((cols < good[None, :]).ravel())
+    wasted = np.flatnonzero(((cols >= good[None, :]) & (cols < hi[None, :])).ravel())
+    return _lengths(np.concatenate([accepted, wasted]), k, num_reqs)
+
+
+def retrospective(surv: np.ndarray, sps: np.ndarray) -> np.ndarray:
+    """The *biased* scheduler of Appendix A: global argmax of Θ over K, no early stop and no lag,
+    on survival that already includes confidences conditioned on this step's realised drafts.
+    Admission of x_{r,k} then depends on x_{r,k} itself, which breaks losslessness. Test fixture
+    and comparison only; never selectable in serving."""
+    return assign_top_k(surv, lagged_global_k(surv, sps))
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleMode:
+    """A parsed `--schedule-mode`: one of SERVING_MODES plus its parameter."""
+
+    name: str
+    length: int = 0  # fixed:N
+    c_min: float = 0.0  # threshold:C
+    lag: int = DEFAULT_LAG  # lagged[:L]
+
+    def __str__(self) -> str:
+        return {
+            "fixed": f"fixed:{self.length}",
+            "threshold": f"threshold:{self.c_min}",
+            "lagged": f"lagged:{self.lag}",
+        }.get(self.name, self.name)
+
+
+def parse_schedule_mode(text: str) -> ScheduleMode:
+    """`lagged[:L]|sync|verify-all|fixed:N|threshold:C|mtp1` -> ScheduleMode (DESIGN §3 step 2)."""
+    name, sep, arg = text.strip().partition(":")
+    usage = (
+        "expected lagged[:L] (L>=1), sync, verify-all, fixed:N (N>=0), threshold:C (0<=C<=1), mtp1"
+    )
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"--schedule-mode {text!r}: {why}; {usage}")
+
+    if name not in SERVING_MODES:
+        if name in ("retrospective", "oracle"):
+            raise bad(f"{name} is a test/replay-only comparison, not a serving policy")
+        raise bad("unknown mode")
+    if name in ("sync", "verify-all", "mtp1"):
+        if sep:
+            raise bad(f"{name} takes no parameter")
+        return ScheduleMode(name)
+    if name == "lagged" and not sep:
+        return ScheduleMode(name)
+    if not arg:
+        raise bad(f"{name} needs a parameter")
+    if name == "threshold":
+        try:
+            c = float(arg)
+        except ValueError:
+            raise bad("C is not a number") from None
+        if not 0.0 <= c <= 1.0:  # also rejects nan
+            raise bad("C must be in [0, 1]")
+        return ScheduleMode(name, c_min=c)
+    try:
+        v = int(arg)
+    except ValueError:
+        raise bad(f"{'N' if name == 'fixed' else 'L'} is not an integer") from None
+    if name == "fixed":
+        if v < 0:
+            raise bad("N must be >= 0")
+        return ScheduleMode(name, length=v)
+    if v < 1:  # lag 0 would be the retrospective scheduler
+        raise bad("L must be >= 1")
+    return ScheduleMode(name, lag=v)
+
+
+def plan_verify_lengths(
+    mode: ScheduleMode,
+    confidences: np.ndarray,
+    sps: np.ndarray,
+    *,
+    lagged_surv: np.ndarray | None = None,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+    min_user_tps: float = 0.0,
+) -> np.ndarray:
+    """One step's ℓ for a serving mode (DESIGN §3 step 2). `confidences` are this step's STS-scaled
+    conditional c[r, k]; `lagged_surv` (required for lagged) is the survival published mode.lag
+    steps earlier. Baselines honour max_len and raise ℓ to min_len."""
+    surv = np.cumprod(np.clip(confidences, 0.0, 1.0), axis=1)
+    if mode.name == "sync":
+        return early_stop(surv, sps, min_len=min_len, max_len=max_len, min_user_tps=min_user_tps)
+    if mode.name == "lagged":
+        if lagged_surv is None:
+            raise ValueError("lagged mode needs lagged_surv (SurvivalHistory.lagged)")
+        k = lagged_global_k(
+            lagged_surv, sps, min_len=min_len, max_len=max_len, min_user_tps=min_user_tps
+        )
+        return assign_top_k(surv, k, min_len=min_len, max_len=max_len)
+    if mode.name == "verify-all":
+        lens = verify_all(confidences, max_len=max_len)
+    elif mode.name == "fixed":
+        lens = fixed(confidences, mode.length, max_len=max_len)
+    elif mode.name == "threshold":
+        lens = threshold(confidences, mode.c_min, max_len=max_len)
+    elif mode.name == "mtp1":
+        lens = mtp1(confidences, max_len=max_len)
+    else:
+        raise ValueError(f"not a serving schedule mode: {mode.name!r}")
+    num_reqs, gamma = confidences.shape
+    hi = np.minimum(_per_request(max_len, num_reqs, gamma), gamma)
+    return np.maximum(lens, np.minimum(_per_request(min_len, num_reqs, 0), hi))

@@ -1,0 +1,1 @@
+"""Benchmarks and load generators; CLIs run as `python -m dspark_sglang.bench.<name>`."""

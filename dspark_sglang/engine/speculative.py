@@ -1,0 +1,165 @@
+"""The speculative parts of a step: draft batch, padded verification, commit lists, statistics.
+
+Region map of a verify step for R sampling sequences: sequence r owns 1 + l_r consecutive logits
+rows (anchor row, then one row per verified draft); padded to [R, g+1, V] for the vectorised
+rejection sampler, where rows past l_r are never read. Non-drafting sequences (prefill finishing,
+plain decode) are the l_r = 0 case of the same code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_sglang.algo.acceptance import verify
+from dspark_sglang.engine.kv_cache import slots
+from dspark_sglang.engine.sampler import processed_probs, sampling_tensors
+from dspark_sglang.engine.sequence import Sequence
+
+
+@dataclass
+class DraftBatch:
+    seq_ids: list[int]
+    anchors: torch.Tensor  # [N] last committed token (not yet in the target KV)
+    anchor_pos: torch.Tensor  # [N]
+    ctx_slots: torch.Tensor  # [N, Lmax] draft-context KV slot of positions 0..a-1
+    ctx_mask: torch.Tensor  # [N, Lmax]
+
+
+@dataclass
+class Proposal:
+    seq_ids: list[int]
+    tokens: torch.Tensor  # [N, g]
+    q: torch.Tensor  # [N, g, V] fp32
+    conf_logits: torch.Tensor | None  # [N, g]
+
+    def row_of(self) -> dict[int, int]:
+        return {sid: i for i, sid in enumerate(self.seq_ids)}
+
+
+def build_draft_batch(seqs: list[Sequence], page_size: int, device: str) -> DraftBatch:
+    lens = [s.num_tokens - 1 for s in seqs]  # context = every position before the anchor
+    lmax = max(lens)
+    ctx_slots = torch.zeros(len(seqs), lmax, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ctx_slots[i, : lens[i]] = torch.tensor(slots(s.block_table, 0, lens[i], page_size))
+    mask = torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None]
+    return DraftBatch(
+        seq_ids=[s.seq_id for s in seqs],
+        anchors=torch.tensor([s.output_ids[-1] for s in seqs], device=device),
+        anchor_pos=torch.tensor(lens, device=device),
+        ctx_slots=ctx_slots.to(device),
+        ctx_mask=mask.to(device),
+    )
+
+
+@dataclass
+class VerifyResult:
+    tokens: dict[int, list[int]]  # committed tokens per sequence: accepted drafts + bonus
+    num_accepted: dict[int, int]
+
+
+def verify_step(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    row_counts: list[int],
+    drafts: dict[int, list[int]],
+    proposal: Proposal | None,
+    generators: list[torch.Generator | None],
+) -> VerifyResult:
+    """Rejection-sample every sampling sequence's rows; logits [sum(row_counts), V]."""
+    if not seqs:  # a step of prefill chunks only
+        return VerifyResult({}, {})
+    n, vocab = len(seqs), logits.shape[-1]
+    device = logits.device
+    g = max(row_counts) - 1
+    temps, top_ks, top_ps = sampling_tensors([s.params for s in seqs], device)
+    counts = torch.tensor(row_counts, device=device)
+    probs = processed_probs(
+        logits,
+        temps.repeat_interleave(counts),
+        top_ks.repeat_interleave(counts),
+        top_ps.repeat_interleave(counts),
+    )  # [sum, V]
+    seq_of = torch.repeat_interleave(torch.arange(n, device=device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    off = torch.arange(probs.shape[0], device=device) - starts[seq_of]
+    p = probs.new_zeros(n, g + 1, vocab)
+    p[seq_of, off] = probs
+    q = probs.new_zeros(n, g, vocab)
+    draft_ids = torch.zeros(n, g, dtype=torch.long, device=device)
+    if proposal is not None and g > 0:
+        rows = proposal.row_of()
+        for i, s in enumerate(seqs):
+            ell = len(drafts.get(s.seq_id, ()))
+            if ell:
+                j = rows[s.seq_id]
+                q[i, :ell] = proposal.q[j, :ell]
+                draft_ids[i, :ell] = proposal.tokens[j, :ell]
+    uniforms = torch.full((n, g), 0.5, device=device)
+    expo = torch.ones(n, vocab, device=device)
+    for i, gen in enumerate(generators):
+        if gen is not None:  # greedy rows need no noise: p and q are one-hot there
+            uniforms[i].uniform_(generator=gen)
+            expo[i].exponential_(generator=gen)
+    lengths = counts - 1
+    verdict = verify(p, q, draft_ids, lengths, uniforms, expo)
+    n_acc = verdict.num_accepted.tolist()  # the step's one host sync
+    bonus = verdict.bonus.tolist()
+    tokens, accepted = {}, {}
+    for i, s in enumerate(seqs):
+        tokens[s.seq_id] = [*drafts.get(s.seq_id, [])[: n_acc[i]], bonus[i]]
+        accepted[s.seq_id] = n_acc[i]
+    return VerifyResult(tokens, accepted)
+
+
+@dataclass
+class SpecStats:
+    """Aggregated speculation counters (DeepSpec definitions, deepspec_spec.md §4.3)."""
+
+    gamma: int
+    rounds: int = 0  # decode verify rounds (the first token from prefill is not a round)
+    accept_length_sum: int = 0  # sum over rounds of committed tokens (n + 1; n on an EOS cut)
+    drafted: int = 0  # draft tokens produced
+    verified: int = 0  # draft tokens sent to the target
+    accepted: int = 0  # draft tokens accepted
+    verify_tokens: int = 0  # target rows of verify sequences (sum of 1 + l)
+    steps: int = 0
+    # Per position k: rounds that verified k with all earlier drafts accepted, and those of
+    # them that accepted k too; their ratio is the conditional acceptance of paper Fig. 2.
+    at_risk: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.at_risk = [0] * self.gamma
+        self.passed = [0] * self.gamma
+
+    def add_round(self, verify_len: int, num_accepted: int, committed: int) -> None:
+        self.rounds += 1
+        self.accept_length_sum += committed
+        self.verified += verify_len
+        self.accepted += num_accepted
+        self.verify_tokens += 1 + verify_len
+        for k in range(min(verify_len, num_accepted + 1)):
+            self.at_risk[k] += 1
+            self.passed[k] += k < num_accepted
+
+    @property
+    def tau(self) -> float:
+        return self.accept_length_sum / self.rounds if self.rounds else 0.0
+
+    def conditional_acceptance(self) -> list[float | None]:
+        """P(draft k accepted | drafts < k accepted and k verified), per position."""
+        return [p / r if r else None for p, r in zip(self.passed, self.at_risk, strict=True)]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "tau": self.tau,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "verified": self.verified,
+            "accepted": self.accepted,
+            "verify_tokens_per_step": self.verify_tokens / self.steps if self.steps else 0.0,
+            "conditional_acceptance": self.conditional_acceptance(),
+        }

@@ -1,0 +1,145 @@
+"""Survival, STS scaling, max-length masking, the acceptance prior and the lagged history."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_sglang.algo.survival import (
+    AcceptancePrior,
+    SurvivalHistory,
+    mask_survival,
+    max_verify_lengths,
+    sts_confidences,
+    survival,
+)
+
+
+def test_sts_is_sigmoid_of_scaled_logit() -> None:
+    z = np.array([[-2.0, 0.0, 3.0]])
+    assert sts_confidences(z) == pytest.approx(1 / (1 + np.exp(-z)))
+    t = np.array([2.0, 1.0, 0.5])
+    assert sts_confidences(z, t) == pytest.approx(1 / (1 + np.exp(-z / t)))
+    big = sts_confidences(np.array([[-1e4, 1e4]]))
+    assert big.tolist() == [[0.0, 1.0]]  # no overflow warning, no nan
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    z=st.lists(st.floats(-30, 30), min_size=2, max_size=8),
+    temp=st.floats(0.05, 20.0),
+)
+def test_sts_preserves_ranking_within_a_position(z: list[float], temp: float) -> None:
+    """Temperature scaling is order-preserving (paper §3.2.1): ranks across requests hold."""
+    col = np.array(z)[:, None]
+    raw, scaled = sts_confidences(col), sts_confidences(col, [temp])
+    i, j = np.triu_indices(len(z), 1)
+    assert np.all((raw[i, 0] <= raw[j, 0]) | (scaled[i, 0] >= scaled[j, 0]))
+    assert np.all((raw[i, 0] >= raw[j, 0]) | (scaled[i, 0] <= scaled[j, 0]))
+
+
+def test_sts_rejects_bad_temperatures() -> None:
+    with pytest.raises(ValueError, match="temperatures"):
+        sts_confidences(np.zeros((1, 3)), [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="temperatures"):
+        sts_confidences(np.zeros((1, 3)), [1.0, 1.0])
+
+
+def test_survival_is_the_clipped_cumulative_product() -> None:
+    c = np.array([[0.9, 0.5, 1.0], [1.2, -0.1, 0.7]])
+    assert survival(c) == pytest.approx(np.array([[0.9, 0.45, 0.45], [1.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="gamma"):
+        survival(np.ones(3))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.floats(-1.0, 2.0), min_size=6, max_size=6))
+def test_survival_rows_are_non_increasing_in_unit_interval(values: list[float]) -> None:
+    a = survival(np.array(values).reshape(2, 3))
+    assert np.all((a >= 0) & (a <= 1))
+    assert np.all(np.diff(a, axis=1) <= 0)
+
+
+def test_max_verify_lengths_and_masking() -> None:
+    # One step emits ℓ + 1 tokens: 1 token left -> ℓ = 0, 3 left -> ℓ = 2, plenty -> γ.
+    caps = max_verify_lengths(np.array([1, 3, 100, 0]), 4)
+    assert caps.tolist() == [0, 2, 4, 0]
+    a = survival(np.full((4, 4), 0.9))
+    masked = mask_survival(a, caps)
+    assert (masked > 0).sum(axis=1).tolist() == [0, 2, 4, 0]
+    assert masked[1, :2] == pytest.approx(a[1, :2])
+
+
+def test_prior_observe_counts_conditional_trials() -> None:
+    prior = AcceptancePrior.uniform(3, rate=0.5, alpha=1.0)  # alpha 1: take the observation
+    # ℓ = (3, 3, 1, 0), accepted n = (3, 1, 0, 0):
+    #   position 1: trials r0, r1, r2 -> hits r0, r1   = 2/3
+    #   position 2: trials r0, r1     -> hit r0        = 1/2
+    #   position 3: trial r0          -> hit r0        = 1
+    new = prior.observe(np.array([3, 3, 1, 0]), np.array([3, 1, 0, 0]))
+    assert new.rates == pytest.approx((2 / 3, 1 / 2, 1.0))
+    assert new.survival == pytest.approx(np.cumprod([2 / 3, 1 / 2, 1.0]))
+    assert prior.rates == (0.5, 0.5, 0.5)  # immutable value
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prior.rates = (1.0,) * 3  # type: ignore[misc]
+
+
+def test_prior_leaves_untried_positions_and_converges() -> None:
+    prior = AcceptancePrior.uniform(3, rate=0.5, alpha=0.002)  # memory of ~500 trials
+    # Nobody verified past position 1: positions 2 and 3 keep their rates.
+    same = prior.observe(np.array([1, 1]), np.array([1, 0]))
+    assert same.rates[1:] == (0.5, 0.5)
+    rng = np.random.default_rng(0)
+    truth = np.array([0.9, 0.6, 0.3])
+    for _ in range(300):
+        draws = rng.random((64, 3)) < truth
+        accepted = np.argmin(np.concatenate([draws, np.zeros((64, 1), bool)], axis=1), axis=1)
+        prior = prior.observe(np.full(64, 3), accepted)
+    assert prior.rates == pytest.approx(tuple(truth), abs=0.05)
+
+
+def test_prior_validation() -> None:
+    with pytest.raises(ValueError, match="rates"):
+        AcceptancePrior(rates=(1.5,))
+    with pytest.raises(ValueError, match="alpha"):
+        AcceptancePrior(rates=(0.5,), alpha=0.0)
+    with pytest.raises(ValueError, match="accepted_lens"):
+        AcceptancePrior.uniform(2).observe(np.array([1]), np.array([2]))
+
+
+def test_history_serves_the_snapshot_lag_steps_back() -> None:
+    prior = AcceptancePrior.uniform(2, rate=0.5)
+    h0 = SurvivalHistory(depth=2)
+    h1 = h0.push(np.array([7, 3]), np.array([[0.9, 0.8], [0.3, 0.1]]))
+    h2 = h1.push(np.array([3, 5]), np.array([[0.4, 0.2], [0.6, 0.5]]))
+    ids = np.array([3, 5, 7, 11])
+    fresh = prior.survival.tolist()
+    assert h2.lagged(ids, 1, prior).tolist() == [[0.4, 0.2], [0.6, 0.5], fresh, fresh]
+    assert h2.lagged(ids, 2, prior).tolist() == [[0.3, 0.1], fresh, [0.9, 0.8], fresh]
+    assert h1.lagged(ids, 2, prior).tolist() == [fresh] * 4  # not enough steps published yet
+    assert h0.lagged(ids, 1, prior).tolist() == [fresh] * 4
+    h3 = h2.push(np.array([], dtype=np.int64), np.zeros((0, 2)))
+    assert len(h3.snapshots) == 2  # ring of depth 2
+    assert h3.lagged(ids, 2, prior).tolist()[0] == [0.4, 0.2]
+    assert h3.lagged(ids, 1, prior).tolist() == [fresh] * 4
+
+
+def test_history_is_an_immutable_value() -> None:
+    ids, surv = np.array([1, 2]), np.array([[0.9, 0.8], [0.5, 0.4]])
+    h = SurvivalHistory(depth=1).push(ids, surv)
+    surv[:] = 0.0  # the caller reusing its buffer must not change what was published
+    ids[:] = 9
+    prior = AcceptancePrior.uniform(2)
+    assert h.lagged(np.array([1, 2]), 1, prior).tolist() == [[0.9, 0.8], [0.5, 0.4]]
+    with pytest.raises(ValueError):
+        h.snapshots[0][1][0, 0] = 1.0
+    with pytest.raises(ValueError, match="lag"):
+        h.lagged(np.array([1]), 2, prior)
+    with pytest.raises(ValueError, match="lag"):
+        h.lagged(np.array([1]), 0, prior)
+    with pytest.raises(ValueError, match="gamma"):
+        h.lagged(np.array([1]), 1, AcceptancePrior.uniform(3))

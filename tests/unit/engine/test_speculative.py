@@ -1,0 +1,210 @@
+"""Speculative decoding in the reference engine: greedy identity, distribution, KV hygiene."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_sglang import LLM, SamplingParams
+from dspark_sglang.engine.speculative import DraftBatch, Proposal
+from tests.conftest import VOCAB, hf_reference, write_drafter, write_hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+MODES = ["verify-all", "fixed:2", "mtp1", "threshold:0.3"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    target = write_hf_model(root / "target", moe=True)
+    return target, write_drafter(root / "drafter", target, block_size=5)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(
+            0, VOCAB, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
+
+
+class ContinuationDrafter:
+    """Proposes the known greedy continuation, corrupting each position with probability `bad`,
+    so verification sees long accepted prefixes and realistic rejections."""
+
+    def __init__(self, llm: LLM, want: dict[tuple[int, ...], list[int]], bad: float) -> None:
+        self.llm, self.want, self.bad = llm, want, bad
+        self.rng = np.random.default_rng(0)
+
+    def __call__(
+        self, batch: DraftBatch, temps: torch.Tensor, gens: list[torch.Generator | None]
+    ) -> Proposal:
+        g = self.llm.gamma
+        toks = torch.zeros(len(batch.seq_ids), g, dtype=torch.long)
+        for i, sid in enumerate(batch.seq_ids):
+            seq = self.llm.scheduler.seqs[sid]
+            cont = self.want[tuple(seq.prompt_ids)][len(seq.output_ids) :] + [0] * g
+            for k in range(g):
+                ok = self.rng.random() > self.bad
+                toks[i, k] = cont[k] if ok else (cont[k] + 1) % VOCAB
+        q = torch.nn.functional.one_hot(toks, VOCAB).float()
+        return Proposal(batch.seq_ids, toks, q, torch.zeros(len(batch.seq_ids), g))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_identity_with_the_real_drafter(pair: tuple[Path, Path], mode: str) -> None:
+    target, drafter = pair
+    ps = prompts(7)
+    base = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    spec = LLM(
+        str(target), draft_model=str(drafter), schedule_mode=mode, num_blocks=128, page_size=4
+    )
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert spec.stats.rounds > 0 and spec.pool.num_free_blocks == spec.pool.num_blocks
+
+
+@pytest.mark.parametrize("num_blocks", [256, 14])  # 14 blocks x 4 tokens forces preemption
+def test_greedy_identity_with_long_accepted_prefixes(
+    pair: tuple[Path, Path], num_blocks: int
+) -> None:
+    target, drafter = pair
+    ps = prompts(8, seed=3)
+    base = LLM(str(target), num_blocks=256, page_size=4).generate(ps, GREEDY)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, base, strict=True)}
+    spec = LLM(
+        str(target),
+        draft_model=str(drafter),
+        num_blocks=num_blocks,
+        page_size=4,
+        chunked_prefill_size=6,
+    )
+    spec.runner.draft = ContinuationDrafter(spec, want, bad=0.25)
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    # Long prefixes really were accepted and committed (expected ~3.3 at 25% corruption; less
+    # when a short KV pool cuts verification down before preempting).
+    assert spec.stats.tau > (2.5 if num_blocks == 256 else 1.5)
+    assert spec.pool.num_free_blocks == spec.pool.num_blocks
+    if num_blocks == 14:
+        assert sum(o.num_preemptions for o in outs) > 0
+
+
+def test_stats_follow_deepspec_definitions(pair: tuple[Path, Path]) -> None:
+    target, drafter = pair
+    ps = prompts(4, seed=5)
+    base = LLM(str(target)).generate(ps, GREEDY)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, base, strict=True)}
+    spec = LLM(str(target), draft_model=str(drafter))
+    spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # everything is accepted
+    outs = spec.generate(ps, SamplingParams(temperature=0.0, max_tokens=19))
+    # 19 tokens = 1 from prefill + 3 rounds of 6 (5 drafts + bonus): tau = 6 per request.
+    assert [o.spec_rounds for o in outs] == [3] * 4
+    assert all(o.accept_length == 6.0 for o in outs)
+    assert spec.stats.tau == 6.0
+    assert spec.stats.conditional_acceptance() == [1.0] * 5
+
+
+def test_draft_context_equals_full_recompute(pair: tuple[Path, Path]) -> None:
+    """After speculative generation (with rejections), the drafter's context K/V for every
+    position before the anchor equals the projection of a full-recompute target forward."""
+    target, drafter = pair
+    spec = LLM(str(target), draft_model=str(drafter), num_blocks=64, page_size=4)
+    sid = spec.add_request([5, 9, 13, 2], SamplingParams(temperature=1.0, seed=3, max_tokens=40))
+    for _ in range(6):
+        spec.step()
+    seq = spec.scheduler.seqs[sid]
+    tokens = seq.tokens(0, seq.num_tokens - 1)  # positions before the anchor
+    hf = hf_reference(target)
+    with torch.no_grad():
+        hs = hf(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        taps = torch.cat([hs[i + 1][0] for i in spec.runner.drafter.cfg.target_layer_ids], -1)
+        c = spec.runner.drafter.project_context(taps)
+        want = spec.runner.drafter.context_kv(c, torch.arange(len(tokens)))
+    page = spec.runner.page_size
+    slots = [seq.block_table[p // page] * page + p % page for p in range(len(tokens))]
+    for (k_cache, v_cache), (k, v) in zip(spec.runner.draft_kv, want, strict=True):
+        torch.testing.assert_close(k_cache[slots], k, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(v_cache[slots], v, atol=2e-4, rtol=1e-4)
+    assert spec.stats.rounds >= 5
+
+
+class BigramDrafter:
+    """q(x | prev) = softmax(W[prev] / t): a cheap drafter with a known distribution."""
+
+    def __init__(self, llm: LLM, vocab: int, sample_t: float = 1.0) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.llm, self.w = llm, torch.randn(vocab, vocab, generator=g) * 1.5
+        self.sample_t = sample_t  # != 1 makes q lie about what was sampled (negative control)
+
+    def __call__(
+        self, batch: DraftBatch, temps: torch.Tensor, gens: list[torch.Generator | None]
+    ) -> Proposal:
+        n, g = len(batch.seq_ids), self.llm.gamma
+        toks = torch.zeros(n, g, dtype=torch.long)
+        q = torch.zeros(n, g, self.w.shape[0])
+        for i in range(n):
+            prev = int(batch.anchors[i])
+            for k in range(g):
+                q[i, k] = torch.softmax(self.w[prev], -1)
+                draw = torch.softmax(self.w[prev] / self.sample_t, -1)
+                prev = int(torch.multinomial(draw, 1, generator=gens[i]))
+                toks[i, k] = prev
+        return Proposal(batch.seq_ids, toks, q, torch.zeros(n, g))
+
+
+def chi_square_pvalue(obs: np.ndarray, exp: np.ndarray) -> float:
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1  # survival function of chi2(dof) = regularised upper gamma
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def _joint_counts(llm: LLM, n: int, vocab: int) -> np.ndarray:
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3) for i in range(n)]
+    outs = llm.generate([[1, 2, 3]] * n, params)
+    counts = np.zeros((vocab, vocab))
+    for o in outs:
+        counts[o.output_ids[1], o.output_ids[2]] += 1  # tokens 2-3 come from verify rounds
+    return counts
+
+
+def _target_joint(path: Path, vocab: int) -> np.ndarray:
+    hf = hf_reference(path)
+    with torch.no_grad():
+        p1 = torch.softmax(hf(input_ids=torch.tensor([[1, 2, 3]])).logits[0, -1].double(), -1)
+        ids = torch.tensor([[1, 2, 3, a] for a in range(vocab)])
+        p2 = torch.softmax(hf(input_ids=ids).logits[:, -1].double(), -1)  # [a, b]
+        seqs = torch.tensor([[1, 2, 3, a, b] for a in range(vocab) for b in range(vocab)])
+        p3 = torch.softmax(hf(input_ids=seqs).logits[:, -1].double(), -1).view(vocab, vocab, -1)
+    # P(x2 = b, x3 = c) = sum_a p1(a) p2(b | a) p3(c | a, b)
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3).numpy()
+
+
+@pytest.mark.parametrize(("sample_t", "lossless"), [(1.0, True), (0.5, False)])
+def test_chi_square_speculative_equals_target(
+    tmp_path: Path, sample_t: float, lossless: bool
+) -> None:
+    vocab = 12
+    target = write_hf_model(tmp_path / "t", moe=True, seed=4, vocab_size=vocab)
+    drafter = write_drafter(tmp_path / "d", target, block_size=3, mask_token_id=vocab - 1)
+    llm = LLM(
+        str(target), draft_model=str(drafter), max_running_requests=512, max_num_batched_tokens=4096
+    )
+    llm.runner.draft = BigramDrafter(llm, vocab, sample_t)
+    n = 20_000
+    counts = _joint_counts(llm, n, vocab)
+    want = _target_joint(target, vocab) * n
+    keep = want >= 5  # chi-square validity; pool the rest into one cell
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(want[keep], want[~keep].sum())
+    p_value = chi_square_pvalue(obs, exp)
+    assert llm.stats.accepted > 0.2 * llm.stats.verified  # acceptance really happened
+    if lossless:
+        assert p_value > 1e-4, p_value
+    else:
+        assert p_value < 1e-6, p_value  # the test has power against a lying q
