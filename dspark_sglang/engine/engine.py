@@ -35,6 +35,7 @@ from dspark_sglang.engine.scheduler import Scheduler
 from dspark_sglang.engine.sequence import Sequence
 from dspark_sglang.engine.speculative import (
     Proposal,
+    RoundRecord,
     SpecStats,
     build_draft_batch,
     verify_step,
@@ -95,8 +96,10 @@ class LLMEngine:
         config: Config,
         tokenizer: Tokenizer | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        record_rounds: bool = False,
     ) -> None:
         self.config = config
+        self.rounds: list[RoundRecord] | None = [] if record_rounds else None
         self.mode = parse_schedule_mode(config.draft.schedule_mode)
         if self.mode.name in ("sync", "lagged"):
             raise ConfigError(
@@ -243,12 +246,19 @@ class LLMEngine:
         if proposal is None:
             return
         self.stats.steps += 1
+        row = proposal.row_of()
+        conf = proposal.conf_logits.tolist() if proposal.conf_logits is not None else None
         for s in plan.seqs:
             seq = self.scheduler.seqs[s.seq_id]
             if seq not in touched or s.seq_id not in proposal.seq_ids:
                 continue
             n = min(accepted[s.seq_id], len(touched[seq]))
             self.stats.add_round(len(s.draft_ids), n, len(touched[seq]))
+            if self.rounds is not None:
+                logits = tuple(conf[row[s.seq_id]][: self.gamma]) if conf else ()
+                self.rounds.append(
+                    RoundRecord(s.seq_id, len(s.draft_ids), n, len(touched[seq]), logits)
+                )
             st = self._state[s.seq_id]
             st.rounds += 1
             st.accepted += n
@@ -362,7 +372,12 @@ class LLM(LLMEngine):
     """
 
     def __init__(
-        self, model: str, draft_model: str | None = None, seed: int = 0, **kwargs: object
+        self,
+        model: str,
+        draft_model: str | None = None,
+        seed: int = 0,
+        record_rounds: bool = False,
+        **kwargs: object,
     ) -> None:
         groups: dict[type, dict[str, object]] = {
             ModelConfig: {},
@@ -382,5 +397,6 @@ class LLM(LLMEngine):
                 sched=SchedConfig(**groups[SchedConfig]),
                 draft=DraftConfig(**groups[DraftConfig]),
                 seed=seed,
-            )
+            ),
+            record_rounds=record_rounds,
         )

@@ -114,6 +114,17 @@ def verify_step(
     return VerifyResult(tokens, accepted)
 
 
+@dataclass(frozen=True)
+class RoundRecord:
+    """One verify round of one request, for offline evaluation and STS calibration."""
+
+    seq_id: int
+    verify_len: int  # l: drafts sent to the target
+    num_accepted: int  # n
+    committed: int  # tokens committed (n + 1, or n when an EOS ended the round)
+    conf_logits: tuple[float, ...]  # raw confidence-head logits for the gamma drafts ([] if none)
+
+
 @dataclass
 class SpecStats:
     """Aggregated speculation counters (DeepSpec definitions, deepspec_spec.md §4.3)."""
