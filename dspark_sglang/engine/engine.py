@@ -29,10 +29,12 @@ from dspark_sglang.config import (
 from dspark_sglang.engine.batch import ForwardBatch, build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.detokenizer import IncrementalDetokenizer, find_stop
+from dspark_sglang.engine.handoff import SeqHandoff
+from dspark_sglang.engine.kv_cache import slots
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sampler import make_generator, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
-from dspark_sglang.engine.sequence import Sequence
+from dspark_sglang.engine.sequence import FinishReason, Sequence
 from dspark_sglang.engine.speculative import (
     Proposal,
     RoundRecord,
@@ -55,6 +57,7 @@ class RequestOutput:
     num_preemptions: int = 0
     spec_rounds: int = 0  # verify rounds after the first token
     spec_accepted: int = 0  # draft tokens accepted over those rounds
+    handoff: SeqHandoff | None = None  # set when a prefill-only request finished its prefill
 
     @property
     def accept_length(self) -> float:
@@ -71,6 +74,7 @@ class _ReqState:
     new_ids: list[int] = field(default_factory=list)
     rounds: int = 0
     accepted: int = 0
+    ctx_chunks: list[torch.Tensor] = field(default_factory=list)  # C rows of a prefill-only seq
 
 
 # Modes that read no capacity curve get a one-entry placeholder they never index.
@@ -134,7 +138,13 @@ class LLMEngine:
         self._step_no = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        prefill_only: bool = False,
+    ) -> int:
+        """Queue a request; prefill_only stops after the first token and returns a SeqHandoff."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -146,12 +156,44 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        seq = self.scheduler.add(ids, params)
+        seq = self.scheduler.add(ids, params, prefill_only)
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
         self._state[seq.seq_id] = _ReqState(make_generator(seed, self.runner.device), detok)
+        return seq.seq_id
+
+    def try_adopt(self, h: SeqHandoff) -> int | None:
+        """Continue a request prefilled elsewhere; None when KV or the running set is full."""
+        drafter = self.runner.drafter
+        arch = self.runner.arch
+        h.validate(
+            arch.num_hidden_layers,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            drafter.cfg.hidden_size if drafter is not None else None,
+        )
+        n = len(h.prompt_ids)
+        if n + 1 > self.runner.max_model_len:
+            raise ConfigError(f"handoff of {n} prompt tokens exceeds the context limit")
+        if not self.scheduler.can_adopt(n):
+            return None
+        seq = self.scheduler.adopt(h.prompt_ids, h.params, h.first_token)
+        slot_ids = torch.tensor(
+            slots(seq.block_table, 0, n, self.runner.page_size), device=self.runner.device
+        )
+        self.runner.write_kv(slot_ids, h.kv.to(self.runner.device))
+        if drafter is not None and h.draft_ctx is not None:
+            pos = torch.arange(n, device=self.runner.device)
+            self.runner.write_draft_context(h.draft_ctx.to(self.runner.device), pos, slot_ids)
+        gen = make_generator(0, self.runner.device)
+        gen.set_state(h.rng_state)
+        detok = IncrementalDetokenizer(self.tokenizer, h.prompt_ids) if self.tokenizer else None
+        st = _ReqState(gen, detok)
+        if detok is not None:
+            st.text = detok.step([h.first_token])
+        self._state[seq.seq_id] = st
         return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -232,9 +274,16 @@ class LLMEngine:
             rows += range(start, start + keep)
             start += s.num_new_tokens
         idx = torch.tensor(rows, device=taps.device)
-        self.runner.extend_draft_context(
+        c = self.runner.extend_draft_context(
             taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx]
         )
+        start = 0
+        for s in plan.seqs:  # prefill-only requests keep their C rows for the handoff
+            n = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
+            seq = self.scheduler.seqs[s.seq_id]
+            if seq.prefill_only:
+                self._state[s.seq_id].ctx_chunks.append(c[start : start + n])
+            start += n
 
     def _count(
         self,
@@ -298,12 +347,33 @@ class LLMEngine:
                 self._detokenize(seq, st, new)
             outs.append(self._output(seq, st))
         # Finished requests leave the scheduler here; aborted ones are reported once too.
+        handoffs = {}
         for sid in [i for i, s in self.scheduler.seqs.items() if s.is_finished]:
-            seq = self.scheduler.pop_finished(sid)
+            seq = self.scheduler.seqs[sid]
+            if seq.finish_reason is FinishReason.HANDOFF:
+                handoffs[sid] = self._export(seq, self._state[sid])
+            self.scheduler.pop_finished(sid)
             st = self._state.pop(sid)
             if seq not in touched:
                 outs.append(self._output(seq, st))
+        for o in outs:
+            o.handoff = handoffs.get(o.seq_id)
         return outs
+
+    def _export(self, seq: Sequence, st: _ReqState) -> SeqHandoff:
+        n = seq.num_prompt_tokens
+        slot_ids = torch.tensor(
+            slots(seq.block_table, 0, n, self.runner.page_size), device=self.runner.device
+        )
+        ctx = torch.cat(st.ctx_chunks) if st.ctx_chunks else None
+        return SeqHandoff(
+            prompt_ids=list(seq.prompt_ids),
+            first_token=seq.output_ids[0],
+            params=seq.params,
+            kv=self.runner.read_kv(slot_ids).cpu(),
+            draft_ctx=ctx.cpu() if ctx is not None else None,
+            rng_state=st.generator.get_state(),
+        )
 
     def _detokenize(self, seq: Sequence, st: _ReqState, new: list[int]) -> None:
         assert st.detok is not None

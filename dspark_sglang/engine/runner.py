@@ -84,15 +84,32 @@ class ModelRunner:
     @torch.inference_mode()
     def extend_draft_context(
         self, taps: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
-    ) -> None:
-        """Project verified rows' taps into per-layer context K/V and store them by slot."""
+    ) -> torch.Tensor:
+        """Project verified rows' taps into per-layer context K/V, store them by slot; -> C."""
         assert self.drafter is not None
         c = self.drafter.project_context(taps)
+        self.write_draft_context(c, positions, slot_ids)
+        return c
+
+    @torch.inference_mode()
+    def write_draft_context(
+        self, c: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> None:
+        assert self.drafter is not None
         for (k_cache, v_cache), (k, v) in zip(
             self.draft_kv, self.drafter.context_kv(c, positions), strict=True
         ):
             k_cache[slot_ids] = k.to(k_cache.dtype)
             v_cache[slot_ids] = v.to(v_cache.dtype)
+
+    def read_kv(self, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Target K/V at the given slots -> [layers, 2, n, h_kv, d] (a copy)."""
+        return torch.stack([torch.stack([k[slot_ids], v[slot_ids]]) for k, v in self.kv])
+
+    def write_kv(self, slot_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        for (k_cache, v_cache), layer in zip(self.kv, kv.to(self.dtype), strict=True):
+            k_cache[slot_ids] = layer[0]
+            v_cache[slot_ids] = layer[1]
 
     @torch.inference_mode()
     def draft(

@@ -30,7 +30,9 @@ class Scheduler:
         self._next_id = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add(
+        self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
+    ) -> Sequence:
         n = len(prompt_ids)
         if n == 0:
             raise ConfigError("prompt is empty")
@@ -48,10 +50,30 @@ class Scheduler:
                 "lower max_tokens or raise the KV budget"
             )
         seq = Sequence(self._next_id, list(prompt_ids), params, arrival=self._next_id)
+        seq.prefill_only = prefill_only
         self._next_id += 1
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def adopt(self, prompt_ids: list[int], params: SamplingParams, first_token: int) -> Sequence:
+        """A sequence prefilled elsewhere: its prompt KV is written by the caller into the
+        blocks allocated here; it joins the running set decoding, anchor = first_token."""
+        seq = Sequence(self._next_id, list(prompt_ids), params, arrival=self._next_id)
+        self._next_id += 1
+        seq.output_ids.append(first_token)
+        self.pool.grow(seq.block_table, len(prompt_ids))
+        seq.num_cached = len(prompt_ids)
+        seq.status = Status.RUNNING
+        self.seqs[seq.seq_id] = seq
+        self.running.append(seq)
+        return seq
+
+    def can_adopt(self, num_prompt_tokens: int) -> bool:
+        return (
+            len(self.running) < self.cfg.max_running_requests
+            and self.pool.blocks_for(num_prompt_tokens + 1) <= self.pool.num_free_blocks
+        )
 
     def abort(self, seq_id: int) -> None:
         seq = self.seqs.get(seq_id)
@@ -63,12 +85,16 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.pool.release(seq.block_table)
+        if reason is not FinishReason.HANDOFF:  # handoff KV is released after its export
+            self.pool.release(seq.block_table)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     def pop_finished(self, seq_id: int) -> Sequence:
-        return self.seqs.pop(seq_id)
+        seq = self.seqs.pop(seq_id)
+        if seq.finish_reason is FinishReason.HANDOFF:
+            self.pool.release(seq.block_table)
+        return seq
 
     @property
     def has_work(self) -> bool:
@@ -156,6 +182,8 @@ class Scheduler:
                 self.finish(seq, FinishReason.STOP)
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, FinishReason.LENGTH)
+            elif seq.prefill_only:
+                self.finish(seq, FinishReason.HANDOFF)
             if seq.is_finished:
                 return toks[: i + 1]
         return toks

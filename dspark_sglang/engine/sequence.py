@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
+    HANDOFF = "handoff"  # prefill-only request: KV and drafter context leave for a decode worker
 
 
 @dataclass(eq=False)
@@ -35,6 +36,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    prefill_only: bool = False  # PD prefill worker: stop after the first token, keep KV for export
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -101,7 +101,9 @@ def verify_step(
     expo = torch.ones(n, vocab, device=device)
     for i, gen in enumerate(generators):
         if gen is not None:  # greedy rows need no noise: p and q are one-hot there
-            uniforms[i].uniform_(generator=gen)
+            # Draw exactly l_i uniforms: a request's random stream must not depend on the
+            # verify lengths of its batch neighbours.
+            uniforms[i, : row_counts[i] - 1].uniform_(generator=gen)
             expo[i].exponential_(generator=gen)
     lengths = counts - 1
     verdict = verify(p, q, draft_ids, lengths, uniforms, expo)

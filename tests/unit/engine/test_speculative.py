@@ -208,3 +208,39 @@ def test_chi_square_speculative_equals_target(
         assert p_value > 1e-4, p_value
     else:
         assert p_value < 1e-6, p_value  # the test has power against a lying q
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_prefill_decode_handoff_continues_exactly(
+    pair: tuple[Path, Path], with_drafter: bool
+) -> None:
+    """Prefill on one engine, adopt on another: same tokens as one engine, greedy and seeded."""
+    target, drafter = pair
+    draft = str(drafter) if with_drafter else None
+    ps = prompts(5, seed=9)
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=100 + i, max_tokens=16)
+        for i in range(len(ps))
+    ]
+    whole = LLM(str(target), draft_model=draft, page_size=4).generate(ps, params)
+    prefill = LLM(str(target), draft_model=draft, page_size=4, chunked_prefill_size=5)
+    decode = LLM(str(target), draft_model=draft, page_size=4, num_blocks=64)
+    ids = [prefill.add_request(p, sp, prefill_only=True) for p, sp in zip(ps, params, strict=True)]
+    handoffs = {}
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            if o.finished:
+                assert o.finish_reason == "handoff" and o.handoff is not None
+                handoffs[o.seq_id] = o.handoff
+    assert prefill.pool.num_free_blocks == prefill.pool.num_blocks
+    if with_drafter:
+        assert all(h.draft_ctx is not None for h in handoffs.values())
+    got = {}
+    mapping = {decode.try_adopt(handoffs[i]): n for n, i in enumerate(ids)}
+    assert None not in mapping
+    while decode.has_unfinished():
+        for o in decode.step():
+            if o.finished:
+                got[mapping[o.seq_id]] = o.output_ids
+    assert [got[n] for n in range(len(ps))] == [o.output_ids for o in whole]
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks
