@@ -101,7 +101,7 @@ class AcceptancePrior:
         return AcceptancePrior(rates=tuple(float(x) for x in new), alpha=self.alpha)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # holds arrays: compare by identity
 class SurvivalHistory:
     """Ring buffer of the last `depth` published (request ids, survival) snapshots, one per step.
 
