@@ -12,26 +12,21 @@ import platform
 import shlex
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dspark_sglang.config import DTYPES, ArchConfig, CacheConfig, ConfigError, ModelConfig
-from dspark_sglang.engine.batch import build_batch
 from dspark_sglang.engine.block_pool import BlockPool
+from dspark_sglang.engine.profiler import GridPoint, blocks_needed, time_point
 from dspark_sglang.engine.runner import ModelRunner
-from dspark_sglang.engine.sequence import Sequence, Status
 from dspark_sglang.models.attention import create_backend
 from dspark_sglang.models.target import Qwen3ForCausalLM
-from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
 
 SYNTHETIC_NAME = "synthetic:tiny-moe"
 # The synthetic target's config.json, written by hand so the package never needs transformers.
@@ -79,18 +74,6 @@ QUICK = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class GridPoint:
-    kind: str  # "decode" | "verify"
-    num_reqs: int  # R
-    tokens_per_req: int  # 1 for decode, 1 + l for verify
-    ctx: int  # tokens already in KV per request
-
-    @property
-    def num_tokens(self) -> int:  # B
-        return self.num_reqs * self.tokens_per_req
-
-
 def write_synthetic_model(path: Path) -> None:
     """Random Qwen3-MoE checkpoint: matrices ~ N(0, 0.02) from a fixed seed, norm weights = 1."""
     arch = ArchConfig.from_hf_dict(SYNTHETIC_CONFIG)
@@ -115,66 +98,6 @@ def make_grid(args: argparse.Namespace) -> list[GridPoint]:
         for lv in args.verify_lens
     ]
     return decode + verify
-
-
-def blocks_needed(points: list[GridPoint], page_size: int) -> int:
-    return max(p.num_reqs * -(-(p.ctx + p.tokens_per_req) // page_size) for p in points)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_point(
-    runner: ModelRunner,
-    pool: BlockPool,
-    point: GridPoint,
-    repeats: int,
-    warmup: int,
-    gen: torch.Generator,
-) -> dict[str, Any]:
-    """Median / p10 / p90 wall time of runner.forward (+ logits) for one batch shape."""
-    total = point.ctx + point.tokens_per_req
-    seqs: dict[int, Sequence] = {}
-    try:
-        for i in range(point.num_reqs):
-            ids = torch.randint(0, runner.arch.vocab_size, (total,), generator=gen).tolist()
-            seq = Sequence(i, ids, SamplingParams(), arrival=i, num_cached=point.ctx)
-            seq.status = Status.RUNNING
-            pool.grow(seq.block_table, total)
-            seqs[i] = seq
-        plan = StepPlan(
-            tuple(ScheduledSeq(i, point.ctx, point.tokens_per_req, sample=True) for i in seqs)
-        )
-        batch = build_batch(plan, seqs, runner.page_size, runner.device)
-        # Verification scores every one of the 1+l rows, so the target computes logits for all B
-        # rows; for decode this is already the case (one row per request).
-        rows = torch.arange(batch.num_tokens, device=runner.device)
-        batch = replace(batch, sample_rows=rows)
-        times = []
-        for k in range(warmup + repeats):
-            _sync(runner.device)
-            t0 = time.perf_counter()
-            runner.forward(batch)
-            _sync(runner.device)
-            if k >= warmup:
-                times.append(time.perf_counter() - t0)
-    finally:
-        for seq in seqs.values():
-            pool.release(seq.block_table)
-    p10, median, p90 = np.percentile(times, [10, 50, 90]).tolist()
-    return {
-        "kind": point.kind,
-        "R": point.num_reqs,
-        "B": point.num_tokens,
-        "tokens_per_req": point.tokens_per_req,
-        "ctx": point.ctx,
-        "median_s": median,
-        "p10_s": p10,
-        "p90_s": p90,
-        "repeats": repeats,
-    }
 
 
 def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
