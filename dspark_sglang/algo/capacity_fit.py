@@ -1,0 +1,309 @@
+"""Capacity fits from measurements (DESIGN §4): batch fits of the table and additive forms, and the
+live estimator that turns StepRecords into new CapacityModel versions. Pure numpy + stdlib; imports
+`config`, `types` and `algo.capacity` only; no clock, no I/O."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from dspark_sglang.algo.capacity import (
+    AdditiveModel,
+    CapacityModel,
+    Curve,
+    ExpertParallelTerm,
+    TableModel,
+    executed_tokens,
+)
+from dspark_sglang.types import StepRecord
+
+Array = np.ndarray
+
+
+def isotonic(y: Array, weights: Array | None = None) -> Array:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators): the monotone smoothing
+    in B of DESIGN §4."""
+    w_in = np.ones(len(y)) if weights is None else np.asarray(weights, np.float64)
+    vals: list[float] = []
+    wts: list[float] = []
+    lens: list[int] = []
+    for yi, wi in zip(np.asarray(y, np.float64).tolist(), w_in.tolist(), strict=True):
+        vals.append(yi)
+        wts.append(wi)
+        lens.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v2, w2, n2 = vals.pop(), wts.pop(), lens.pop()
+            v1, w1, n1 = vals.pop(), wts.pop(), lens.pop()
+            vals.append((v1 * w1 + v2 * w2) / (w1 + w2))
+            wts.append(w1 + w2)
+            lens.append(n1 + n2)
+    return np.repeat(np.asarray(vals), lens)
+
+
+def records_to_arrays(
+    records: Iterable[StepRecord], *, include_prefill: bool = False
+) -> tuple[Array, Array, Array, Array]:
+    """(R, B, ctx, seconds) of the usable records (DESIGN §3 step 4). Steps carrying prefill tokens
+    are dropped by default: the planner prices verify forwards; a prompt chunk costs differently."""
+    rows = [
+        (r.num_reqs, r.num_tokens, r.kv_tokens, r.step_seconds)
+        for r in records
+        if (include_prefill or r.num_prefill_tokens == 0)
+        and r.num_tokens > 0
+        and r.step_seconds > 0
+        and math.isfinite(r.step_seconds)
+    ]
+    if not rows:
+        return tuple(np.empty(0) for _ in range(4))  # type: ignore[return-value]
+    num_reqs, num_tokens, ctx, secs = (np.asarray(c, np.float64) for c in zip(*rows, strict=True))
+    return num_reqs, num_tokens, ctx, secs
+
+
+def _knots(x: Array, max_knots: int) -> tuple[float, ...]:
+    """Distinct values of x, thinned to at most max_knots by quantile; always keeps min and max."""
+    u = np.unique(x)
+    if u.size > max_knots:
+        u = np.unique(np.quantile(u, np.linspace(0.0, 1.0, max_knots), method="nearest"))
+    return tuple(float(v) for v in u)
+
+
+def _hat_basis(x: Array, knots: Sequence[float]) -> Array:
+    """[len(x), len(knots)] basis of `Curve` over these knots (flat left, linear right)."""
+    k = np.asarray(knots, np.float64)
+    eye = np.eye(k.size)
+    basis = np.stack([np.interp(x, k, eye[i]) for i in range(k.size)], axis=1)
+    if k.size > 1:
+        over = x > k[-1]
+        t = (x[over] - k[-1]) / (k[-1] - k[-2])
+        basis[over, -1], basis[over, -2] = 1.0 + t, -t
+    return basis
+
+
+def _robust_lstsq(design: Array, y: Array, iters: int = 8) -> Array:
+    """Least squares in relative error (what MAPE scores) with Huber reweighting by the MAD."""
+    base = 1.0 / y
+    w = base
+    for _ in range(iters + 1):
+        beta = np.linalg.lstsq(design * w[:, None], y * w, rcond=None)[0]
+        r = (y - design @ beta) / y
+        s = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 1e-9)
+        a = np.abs(r)
+        w = base * np.sqrt(np.where(a <= 1.345 * s, 1.0, 1.345 * s / np.maximum(a, 1e-300)))
+    return beta
+
+
+def fit_table(num_tokens: Array, seconds: Array, buckets: Sequence[int]) -> TableModel:
+    """Median step time per executed bucket (DESIGN §4), gaps interpolated, then made
+    non-decreasing in B by weighted isotonic regression (a bigger forward never runs faster)."""
+    b = np.asarray(buckets, np.int64)
+    ex = executed_tokens(tuple(buckets), np.asarray(num_tokens, np.int64))
+    secs = np.asarray(seconds, np.float64)
+    med = np.full(b.size, np.nan)
+    count = np.zeros(b.size)
+    for i, bucket in enumerate(b):
+        hit = secs[ex == bucket]
+        if hit.size:
+            med[i], count[i] = np.median(hit), hit.size
+    have = count > 0
+    if not have.any():
+        raise ValueError("fit_table: no measurement falls in any bucket")
+    med[~have] = Curve(tuple(b[have].tolist()), tuple(med[have].tolist()))(b[~have])
+    smooth = isotonic(med, np.maximum(count, 1e-3))
+    return TableModel(tuple(int(v) for v in b), tuple(float(v) for v in smooth))
+
+
+def fit_additive(
+    num_reqs: Array,
+    num_tokens: Array,
+    ctx: Array,
+    seconds: Array,
+    *,
+    buckets: Sequence[int] = (),
+    max_knots: int = 16,
+) -> AdditiveModel:
+    """Robust least squares for T = bias + α(R) + θ(B_exec) + κ·ctx (DESIGN §4; upstream's OLS
+    backfit with hat functions instead of dummies), α(R_min) = θ(B_min) = 0 so bias is T at the
+    smallest cell; α, θ then projected onto non-decreasing curves. κ is fitted only when ctx varies
+    independently of R and B (a profile at one context length leaves it 0 and α, θ absorb it)."""
+    reqs = np.asarray(num_reqs, np.float64)
+    ex = executed_tokens(tuple(buckets), np.asarray(num_tokens, np.int64)).astype(np.float64)
+    c, y = np.asarray(ctx, np.float64), np.asarray(seconds, np.float64)
+    r_knots, b_knots = _knots(reqs, max_knots), _knots(ex, max_knots)
+    cols = [np.ones((y.size, 1)), _hat_basis(reqs, r_knots)[:, 1:], _hat_basis(ex, b_knots)[:, 1:]]
+    base = np.concatenate(cols, axis=1)
+    resid = c - base @ np.linalg.lstsq(base, c, rcond=None)[0]
+    use_ctx = np.linalg.norm(resid) > 1e-3 * max(np.linalg.norm(c), 1.0)
+    beta = _robust_lstsq(np.concatenate([base, c[:, None]], axis=1) if use_ctx else base, y)
+    if use_ctx and beta[-1] < 0.0:  # a negative per-token cost is noise; refit without it
+        use_ctx, beta = False, _robust_lstsq(base, y)
+    m = len(r_knots) - 1
+    alpha = isotonic(np.concatenate(([0.0], beta[1 : 1 + m])))
+    theta = isotonic(np.concatenate(([0.0], beta[1 + m : 1 + m + len(b_knots) - 1])))
+    bias = float(beta[0] + alpha[0] + theta[0])  # keep α(R_min) = θ(B_min) = 0
+    if bias <= 0.0:
+        raise ValueError(f"fit_additive: non-positive step time {bias} at the smallest cell")
+    return AdditiveModel(
+        bias_s=bias,
+        alpha=Curve(r_knots, tuple((alpha - alpha[0]).tolist())),
+        theta=Curve(b_knots, tuple((theta - theta[0]).tolist())),
+        kappa_s=float(beta[-1]) if use_ctx else 0.0,
+        buckets=tuple(int(v) for v in buckets),
+    )
+
+
+# ---- live estimation -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatorConfig:
+    publish_every: int = 32  # accepted records between published versions
+    window: int = 32  # recent residuals: MAD noise scale and the post-drift restart
+    mape_window: int = 100  # records in the rolling MAPE
+    reject_z: float = 5.0  # |residual| / σ beyond which a record is an outlier
+    cusum_k: float = 0.5  # CUSUM slack, in σ
+    cusum_h: float = 16.0  # CUSUM alarm level, in σ: ≥ 4 clipped outliers in a row
+    rate: float = 0.05  # slowest EWMA rate (≈ 20-record memory once warm)
+    prior_weight: float = 8.0  # pseudo-records holding the level and each bucket at the prior
+    min_sigma: float = 0.02  # noise floor on log step time (a deterministic clock has MAD 0)
+    popularity_rate: float = 0.02  # EWMA rate of the expert histogram
+    popularity_tol: float = 0.05  # L1 change that republishes the popularity
+    warm_tokens: int = 512  # precompute E[max load] this far at publish, off the planner path
+    include_prefill: bool = False
+
+
+class LiveEstimator:
+    """Online capacity estimator (DESIGN §4 "updated live"). Fed one StepRecord at a time, it keeps
+    a multiplicative correction of the prior model per executed bucket and publishes new models.
+
+    Residual e = log(measured) - log(prior prediction) = g + u[bucket] + noise: g is the global
+    level, u the bucket's deviation, shrunk toward 0 (the prior's shape) by `prior_weight`.
+    Records with |e - g - u| > reject_z·σ (σ from the MAD of recent residuals) are outliers. A
+    two-sided CUSUM on the clipped residuals detects drift; on alarm g restarts at the median of
+    the records since the drift began and a new model is published at once. Published scales make
+    T(1, B, 0) non-decreasing in B (weighted isotonic regression in log space). No clock, no I/O,
+    no randomness: two estimators fed the same records publish identical models."""
+
+    def __init__(self, prior: CapacityModel, cfg: EstimatorConfig | None = None) -> None:
+        self.cfg = cfg = cfg or EstimatorConfig()
+        self.model = prior
+        self.num_observed = 0
+        self.num_rejected = 0
+        self.drift_events = 0
+        self._base = replace(prior, scale=None)
+        form = prior.form
+        knots = form.buckets or (form.theta.knots if isinstance(form, AdditiveModel) else ())
+        self._grid = np.asarray(knots or (1.0,), np.float64)
+        # A prior that already carries a live scale (a profile saved from a running engine) keeps
+        # it: residuals are measured against it and the published scale multiplies it.
+        self._prior_scale = prior.scale
+        self._g, self._n_g = 0.0, 0.0
+        self._u, self._n = np.zeros(self._grid.size), np.zeros(self._grid.size)
+        self._resid: deque[float] = deque(maxlen=cfg.window)
+        self._level: deque[float] = deque(maxlen=cfg.window)
+        self._ape: deque[float] = deque(maxlen=cfg.mape_window)
+        self._cusum, self._run = [0.0, 0.0], [0, 0]  # (upward, downward)
+        self._since = 0
+        moe = prior.moe
+        self._pop = None
+        if moe is not None:
+            pop = np.asarray(moe.popularity or (1.0,) * moe.num_experts, np.float64)
+            self._pop = pop / pop.sum()
+            moe.max_loads(cfg.warm_tokens)  # the prior's E[max load] table, off the planner path
+
+    @property
+    def mape(self) -> float:
+        """Rolling mean |predicted - measured| / measured of the published model (DESIGN §8)."""
+        return float(np.mean(self._ape)) if self._ape else float("nan")
+
+    def observe(self, rec: StepRecord) -> CapacityModel | None:
+        """Feed one step; returns the new model when this record publishes one, else None."""
+        cfg = self.cfg
+        if rec.num_prefill_tokens and not cfg.include_prefill:
+            return None
+        y = rec.step_seconds
+        if rec.num_tokens < 1 or not (y > 0.0 and math.isfinite(y)):
+            self.num_rejected += 1
+            return None
+        self.num_observed += 1
+        args = (rec.num_reqs, rec.num_tokens, rec.kv_tokens)
+        self._ape.append(abs(self.model.predict(*args) - y) / y)
+        self._count_experts(rec.routed_tokens_per_expert)
+        ex = executed_tokens(self._base.form.buckets, rec.num_tokens)
+        i = min(int(np.searchsorted(self._grid, ex)), self._grid.size - 1)
+        u = self._u[i] * self._n[i] / (self._n[i] + cfg.prior_weight)
+        e = math.log(y) - math.log(self._base.predict(*args) * self._prior_factor(ex))
+        d = e - self._g - u
+        self._resid.append(d)
+        self._level.append(e - u)
+        sigma = self._sigma()
+        z = max(-cfg.reject_z, min(cfg.reject_z, d / sigma))
+        for side, zz in enumerate((z, -z)):
+            self._cusum[side] = max(0.0, self._cusum[side] + zz - cfg.cusum_k)
+            self._run[side] = self._run[side] + 1 if self._cusum[side] > 0.0 else 0
+        alarm = [side for side in (0, 1) if self._cusum[side] > cfg.cusum_h]
+        if alarm:
+            # Restart the level from the records since the CUSUM last sat at zero: the drift began
+            # there. A median of them ignores the odd spike that rode along.
+            run = min(self._run[alarm[0]], len(self._level))
+            self._g = float(np.median(list(self._level)[-run:]))
+            self._n_g = float(run)
+            self._cusum, self._run = [0.0, 0.0], [0, 0]
+            self.drift_events += 1
+            return self._publish()
+        if abs(d) <= cfg.reject_z * sigma:
+            self._g += max(cfg.rate, 1.0 / (self._n_g + 1.0 + cfg.prior_weight)) * (e - u - self._g)
+            self._n_g += 1.0
+            self._u[i] += max(cfg.rate, 1.0 / (self._n[i] + 1.0)) * (e - self._g - self._u[i])
+            self._n[i] += 1.0
+        else:
+            self.num_rejected += 1
+        self._since += 1
+        return self._publish() if self._since >= cfg.publish_every else None
+
+    def _prior_factor(self, executed: Array | int) -> Array:
+        s = self._prior_scale
+        return np.ones(np.shape(executed)) if s is None else np.interp(executed, s.knots, s.values)
+
+    def _sigma(self) -> float:
+        if len(self._resid) < 8:  # too few to estimate a spread: stay lenient, let CUSUM act
+            return max(self.cfg.min_sigma, 0.25)
+        r = np.asarray(self._resid)
+        return max(self.cfg.min_sigma, 1.4826 * float(np.median(np.abs(r - np.median(r)))))
+
+    def _count_experts(self, counts: Sequence[int]) -> None:
+        if self._pop is None or len(counts) != self._pop.size or sum(counts) <= 0:
+            return
+        c = np.asarray(counts, np.float64)
+        rho = self.cfg.popularity_rate
+        self._pop = (1.0 - rho) * self._pop + rho * c / c.sum()
+
+    def _refresh_popularity(self) -> None:
+        moe = self._base.moe
+        if moe is None or self._pop is None:
+            return
+        old = np.asarray(moe.popularity or (1.0,) * moe.num_experts, np.float64)
+        if np.abs(self._pop - old / old.sum()).sum() <= self.cfg.popularity_tol:
+            return
+        pop = tuple(np.round(self._pop, 6).tolist())
+        new: ExpertParallelTerm = replace(moe, popularity=pop)
+        new.max_loads(self.cfg.warm_tokens)  # fill the cache here, not on the planner path
+        self._base = replace(self._base, moe=new)
+
+    def _publish(self) -> CapacityModel:
+        cfg = self.cfg
+        self._since = 0
+        self._refresh_popularity()
+        grid = self._grid.astype(np.int64)
+        log_s = np.log(self._prior_factor(grid))
+        log_s += self._g + self._u * self._n / (self._n + cfg.prior_weight)
+        # Monotone smoothing: T(1, B, 0) must not fall as B grows, or noise in a sparse bucket
+        # would hand the planner a fake bargain it then keeps choosing.
+        ref = np.log(self._base.step_seconds(1, grid, 0))
+        log_s = isotonic(ref + log_s, self._n + cfg.prior_weight) - ref
+        scale = Curve(tuple(self._grid.tolist()), tuple(np.exp(log_s).tolist()))
+        self.model = replace(self._base, scale=scale, version=self.model.version + 1)
+        return self.model
