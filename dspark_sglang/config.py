@@ -218,8 +218,17 @@ class DraftConfig:
     speculative_algorithm: str = "dspark"  # dspark | none (plain decoding of the same target)
     num_speculative_tokens: int | None = None  # gamma; None = the drafter's block size
     schedule_mode: str = "verify-all"
+    capacity_profile: str | None = None  # engine_profiles YAML; None = profile at start-up
+    startup_profile_seconds: float = 60.0  # bound on start-up capacity profiling
+    live_capacity: bool = True  # refit the capacity model from every step's timing
+    min_user_tps: float = 0.0  # SLA floor on each request's expected tokens/s (0 = off)
+    overlap: bool = True  # lagged mode: plan the next step's K while this step runs
 
     def __post_init__(self) -> None:
+        if self.min_user_tps < 0:
+            raise ConfigError("--min-user-tps must be >= 0")
+        if self.startup_profile_seconds <= 0:
+            raise ConfigError("--startup-profile-seconds must be positive")
         if self.speculative_algorithm not in ("dspark", "none"):
             raise ConfigError(
                 "--speculative-algorithm must be 'dspark' or 'none', "
@@ -240,6 +249,7 @@ class Config:
     sched: SchedConfig = field(default_factory=SchedConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     seed: int = 0
+    serve: ServeConfig = field(default_factory=lambda: ServeConfig())
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -349,3 +359,57 @@ class DraftArch:
                     f"drafter target_layer_ids contains {lid}; valid taps are -1..."
                     f"{target.num_hidden_layers - 2} (the final layer is excluded, as in DeepSpec)"
                 )
+
+
+def is_loopback_addr(addr: str) -> bool:
+    """ipc://, inproc:// and tcp:// on 127.0.0.0/8 or ::1 never leave the host."""
+    scheme, _, rest = addr.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return scheme == "tcp" and (host in ("localhost", "::1") or host.startswith("127."))
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Serving processes: HTTP front, ZMQ addresses, flow control, heartbeats, peer security."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None: the model folder's name
+    api_addr: str = "tcp://127.0.0.1:30100"  # the router's inbox (token deltas, heartbeats)
+    prefill_addrs: tuple[str, ...] = ("tcp://127.0.0.1:30101",)
+    decode_addrs: tuple[str, ...] = ("tcp://127.0.0.1:30102",)
+    curve_dir: str | None = None  # holds cluster.key_secret (CurveZMQ); required off-host
+    hmac_key_file: str | None = None  # shared secret; the alternative to CurveZMQ
+    max_pending_requests: int = 256  # router in-flight cap; beyond it: 429 + Retry-After
+    request_timeout_s: float = 600.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    max_retries: int = 2  # re-dispatches of a request that has not emitted a token yet
+    max_message_bytes: int = 1 << 30  # larger ZMQ messages are dropped by the receiver
+
+    def __post_init__(self) -> None:
+        addrs = (self.api_addr, *self.prefill_addrs, *self.decode_addrs)
+        if not self.prefill_addrs or not self.decode_addrs:
+            raise ConfigError("at least one prefill and one decode address are required")
+        if len(set(addrs)) != len(addrs):
+            raise ConfigError(f"ZMQ addresses must be distinct, got {addrs}")
+        bad = [a for a in addrs if a.partition("://")[0] not in ("tcp", "ipc", "inproc")]
+        if bad:
+            raise ConfigError(f"ZMQ addresses must be tcp://, ipc:// or inproc://, got {bad}")
+        remote = [a for a in addrs if not is_loopback_addr(a)]
+        if remote and not (self.curve_dir or self.hmac_key_file):
+            raise ConfigError(
+                f"ZMQ addresses {remote} leave this host: pass --zmq-curve-dir or "
+                "--zmq-hmac-key-file so peers authenticate"
+            )
+        if self.curve_dir and self.hmac_key_file:
+            raise ConfigError("pass one of --zmq-curve-dir and --zmq-hmac-key-file, not both")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ConfigError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+        if self.max_pending_requests <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError("--max-pending-requests and --request-timeout must be positive")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")

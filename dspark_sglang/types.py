@@ -98,3 +98,8 @@ class StepRecord:
     kv_tokens: int  # context tokens attended (sum of start_pos + new tokens)
     step_seconds: float
     routed_tokens_per_expert: tuple[int, ...] = ()
+    verify_budget_k: int = -1  # drafts admitted this step (-1: no speculation)
+    predicted_seconds: float = float("nan")  # capacity model's step time for this step
+    predicted_theta: float = float("nan")  # expected tokens/s of the chosen plan
+    capacity_version: int = -1
+    fallback: str = ""  # why the planner fell back this step ("" = it did not)

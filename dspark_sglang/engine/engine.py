@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from dspark_sglang.algo.verify_budget import parse_schedule_mode, plan_verify_lengths
+from dspark_sglang.algo.capacity import CapacityModel
+from dspark_sglang.algo.capacity_fit import fit_additive
+from dspark_sglang.algo.verify_budget import ScheduleMode, parse_schedule_mode
 from dspark_sglang.config import (
     CacheConfig,
     Config,
@@ -31,6 +33,8 @@ from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.detokenizer import IncrementalDetokenizer, find_stop
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.engine.kv_cache import slots
+from dspark_sglang.engine.planner import Plan, VerifyPlanner
+from dspark_sglang.engine.profiler import startup_grid, time_point
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sampler import make_generator, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
@@ -78,7 +82,6 @@ class _ReqState:
 
 
 # Modes that read no capacity curve get a one-entry placeholder they never index.
-_NO_SPS = np.ones(1)
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
@@ -105,11 +108,6 @@ class LLMEngine:
         self.config = config
         self.rounds: list[RoundRecord] | None = [] if record_rounds else None
         self.mode = parse_schedule_mode(config.draft.schedule_mode)
-        if self.mode.name in ("sync", "lagged"):
-            raise ConfigError(
-                f"--schedule-mode {self.mode} needs the capacity model, which this engine does "
-                "not have yet; use verify-all, fixed:N, threshold:C or mtp1"
-            )
         self.runner = ModelRunner(config.model, config.cache, config.draft)
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
         self.pool = BlockPool(self.runner.num_blocks, self.runner.page_size)
@@ -132,10 +130,55 @@ class LLMEngine:
         ):
             raise ConfigError("--schedule-mode threshold:C needs a drafter with a confidence head")
         self.stats = SpecStats(self.gamma)
+        self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
+        self._last_plan: Plan | None = None
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._step_no = 0
+
+    def _make_planner(self, cfg: DraftConfig, mode: ScheduleMode) -> VerifyPlanner:
+        capacity = None
+        if cfg.capacity_profile is not None:
+            from dspark_sglang.capacity_profile import load_profile
+
+            capacity = load_profile(cfg.capacity_profile).model
+        elif mode.name in ("sync", "lagged"):
+            capacity = self._profile_capacity(cfg.startup_profile_seconds)
+        sts = None
+        assert cfg.path is not None
+        sts_file = Path(cfg.path) / "sts.json"
+        if sts_file.is_file():
+            sts = np.asarray(json.loads(sts_file.read_text())["temperatures"], dtype=np.float64)
+        return VerifyPlanner(
+            mode, self.gamma, capacity, sts, cfg.live_capacity, cfg.min_user_tps, cfg.overlap
+        )
+
+    def _profile_capacity(self, budget_s: float) -> CapacityModel:
+        """Start-up profiling (DESIGN §4): time a bounded grid of verify forwards, fit the
+        additive form; the live estimator refines it from real steps afterwards."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(0)
+        points = startup_grid(
+            self.config.sched.max_running_requests,
+            self.gamma,
+            self.pool.num_blocks * self.pool.page_size,
+            self.pool.page_size,
+            self.runner.max_model_len,
+        )
+        rows = []
+        for p in tqdm(points, desc="capacity profile", leave=False):
+            if rows and time.perf_counter() - t0 > budget_s:
+                break
+            rows.append(time_point(self.runner, self.pool, p, repeats=3, warmup=1, gen=gen))
+        r, b, c, s = (
+            np.array([row[k] for row in rows], dtype=np.float64)
+            for k in ("R", "B", "ctx", "median_s")
+        )
+        # The step records' ctx is the attended context summed over requests.
+        return CapacityModel(fit_additive(r, b, r * c + b, s))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -220,7 +263,15 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self._extend_draft_context(plan, batch, out.taps, result.num_accepted)
         self._count(plan, touched, result.num_accepted, proposal)
-        self._record(plan, batch.num_tokens, batch.kv_tokens, out.expert_counts, t0)
+        self._record(
+            plan,
+            batch.num_tokens,
+            batch.kv_tokens,
+            out.expert_counts,
+            t0,
+            proposal,
+            result.num_accepted,
+        )
         return self._collect(touched)
 
     def _generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
@@ -240,13 +291,16 @@ class LLMEngine:
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
         temps, _, _ = sampling_tensors([s.params for s in ready], self.runner.device)
         proposal = self.runner.draft(batch, temps, self._generators(ready))
-        conf = (
-            torch.sigmoid(proposal.conf_logits[:, : self.gamma]).double().cpu().numpy()
+        logits = (
+            proposal.conf_logits[:, : self.gamma].double().cpu().numpy()
             if proposal.conf_logits is not None
-            else np.ones((len(ready), self.gamma))
+            else None
         )
         max_len = np.array([min(self._verify_cap(s), self.gamma) for s in ready])
-        lens = plan_verify_lengths(self.mode, conf, _NO_SPS, max_len=max_len)
+        ctx = sum(s.num_tokens for s in ready)
+        assert self.planner is not None
+        self._last_plan = self.planner.plan([s.seq_id for s in ready], logits, max_len, ctx)
+        lens = self._last_plan.lengths
         toks = proposal.tokens.tolist()  # draft ids go into the host-built batch
         self.stats.drafted += len(ready) * self.gamma
         drafts = {s.seq_id: toks[i][: int(lens[i])] for i, s in enumerate(ready)}
@@ -319,24 +373,41 @@ class LLMEngine:
         kv_tokens: int,
         counts: torch.Tensor | None,
         t0: float,
+        proposal: Proposal | None,
+        accepted: dict[int, int],
     ) -> None:
         self._step_no += 1
-        if self.on_step is None:
-            return
         decodes = sum(1 for s in plan.seqs if s.sample and s.num_sample_rows == s.num_new_tokens)
         prefill = sum(s.num_new_tokens for s in plan.seqs if s.num_sample_rows != s.num_new_tokens)
-        self.on_step(
-            StepRecord(
-                step=self._step_no,
-                num_reqs=len(plan.seqs),
-                num_tokens=num_tokens,
-                num_prefill_tokens=prefill,
-                num_decode_reqs=decodes,
-                kv_tokens=kv_tokens,
-                step_seconds=time.perf_counter() - t0,
-                routed_tokens_per_expert=tuple(counts.tolist()) if counts is not None else (),
-            )
+        p = self._last_plan if proposal is not None else None
+        rec = StepRecord(
+            step=self._step_no,
+            num_reqs=len(plan.seqs),
+            num_tokens=num_tokens,
+            num_prefill_tokens=prefill,
+            num_decode_reqs=decodes,
+            kv_tokens=kv_tokens,
+            step_seconds=time.perf_counter() - t0,
+            routed_tokens_per_expert=tuple(counts.tolist()) if counts is not None else (),
+            verify_budget_k=sum(len(s.draft_ids) for s in plan.seqs) if p else -1,
+            predicted_seconds=p.predicted_seconds if p else float("nan"),
+            predicted_theta=p.predicted_theta if p else float("nan"),
+            capacity_version=(
+                self.planner.capacity.version
+                if self.planner is not None and self.planner.capacity is not None
+                else -1
+            ),
+            fallback=p.fallback if p else "",
         )
+        if self.planner is not None and proposal is not None:
+            verified = [s for s in plan.seqs if s.seq_id in proposal.seq_ids and s.sample]
+            self.planner.observe(
+                np.array([len(s.draft_ids) for s in verified], dtype=np.int64),
+                np.array([accepted.get(s.seq_id, 0) for s in verified], dtype=np.int64),
+                rec,
+            )
+        if self.on_step is not None:
+            self.on_step(rec)
 
     def _collect(self, touched: dict[Sequence, list[int]]) -> list[RequestOutput]:
         outs = []

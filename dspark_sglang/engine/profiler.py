@@ -89,3 +89,22 @@ def time_point(
         "p90_s": p90,
         "repeats": repeats,
     }
+
+
+def startup_grid(
+    max_reqs: int, gamma: int, pool_tokens: int, page_size: int, max_model_len: int
+) -> list[GridPoint]:
+    """The bounded (R, tokens per request, ctx) grid profiled at engine start, smallest first
+    so a time budget cuts the expensive corner. Two context lengths let the fit separate the
+    per-context-token cost from R and B."""
+    reqs = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_reqs]
+    per_req = sorted({1, 1 + gamma // 2, 1 + gamma})
+    ctxs = [c for c in (64, 256) if c + 1 + gamma <= max_model_len] or [0]
+    points = [
+        GridPoint("verify", r, t, c)
+        for r in reqs
+        for t in per_req
+        for c in ctxs
+        if r * -(-(c + t) // page_size) * page_size <= pool_tokens
+    ]
+    return sorted(points, key=lambda p: (p.num_reqs * (p.ctx + p.tokens_per_req), p.num_tokens))

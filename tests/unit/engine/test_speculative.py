@@ -13,7 +13,7 @@ from dspark_sglang.engine.speculative import DraftBatch, Proposal
 from tests.conftest import VOCAB, hf_reference, write_drafter, write_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-MODES = ["verify-all", "fixed:2", "mtp1", "threshold:0.3"]
+MODES = ["verify-all", "fixed:2", "mtp1", "threshold:0.3", "sync", "lagged"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,12 @@ def test_greedy_identity_with_the_real_drafter(pair: tuple[Path, Path], mode: st
     ps = prompts(7)
     base = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
     spec = LLM(
-        str(target), draft_model=str(drafter), schedule_mode=mode, num_blocks=128, page_size=4
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode=mode,
+        num_blocks=128,
+        page_size=4,
+        startup_profile_seconds=1.0,
     )
     outs = spec.generate(ps, GREEDY)
     assert [o.output_ids for o in outs] == [o.output_ids for o in base]
@@ -140,6 +145,7 @@ class BigramDrafter:
     def __init__(self, llm: LLM, vocab: int, sample_t: float = 1.0) -> None:
         g = torch.Generator().manual_seed(7)
         self.llm, self.w = llm, torch.randn(vocab, vocab, generator=g) * 1.5
+        self.conf_w = torch.randn(vocab, generator=g) * 2.0
         self.sample_t = sample_t  # != 1 makes q lie about what was sampled (negative control)
 
     def __call__(
@@ -155,7 +161,31 @@ class BigramDrafter:
                 draw = torch.softmax(self.w[prev] / self.sample_t, -1)
                 prev = int(torch.multinomial(draw, 1, generator=gens[i]))
                 toks[i, k] = prev
-        return Proposal(batch.seq_ids, toks, q, torch.zeros(n, g))
+        # Confidence of draft k reads the token at k-1, like the real head: schedulers that
+        # peek at a draft's own value would show up as bias here.
+        prev = torch.cat([batch.anchors[:, None], toks[:, :-1]], dim=1)
+        return Proposal(batch.seq_ids, toks, q, self.conf_w[prev])
+
+
+def write_capacity_profile(path: Path, gamma: int) -> Path:
+    """A GPU-like curve (a flat base plus a small per-token cost): extra drafts pay only when
+    they are likely to be accepted, so sync and lagged verify some drafts and skip others."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.capacity_profile import (
+        EngineProfile,
+        Parallelism,
+        Provenance,
+        save_profile,
+    )
+
+    buckets = tuple(range(16, 4097, 16))
+    model = CapacityModel(TableModel(buckets, tuple(0.010 + 1e-5 * b for b in buckets)))
+    prov = Provenance("analytic", "tests/unit/engine/test_speculative.py", "2026-11-30", "test")
+    profile = EngineProfile(
+        "test", "reference", "test", "random", "random", Parallelism(), gamma, buckets, model, prov
+    )
+    save_profile(profile, path)
+    return path
 
 
 def chi_square_pvalue(obs: np.ndarray, exp: np.ndarray) -> float:
@@ -185,15 +215,28 @@ def _target_joint(path: Path, vocab: int) -> np.ndarray:
     return torch.einsum("a,ab,abc->bc", p1, p2, p3).numpy()
 
 
-@pytest.mark.parametrize(("sample_t", "lossless"), [(1.0, True), (0.5, False)])
+@pytest.mark.parametrize(
+    ("mode", "sample_t", "lossless"),
+    [
+        ("verify-all", 1.0, True),
+        ("sync", 1.0, True),
+        ("lagged", 1.0, True),
+        ("verify-all", 0.5, False),
+    ],
+)
 def test_chi_square_speculative_equals_target(
-    tmp_path: Path, sample_t: float, lossless: bool
+    tmp_path: Path, mode: str, sample_t: float, lossless: bool
 ) -> None:
     vocab = 12
     target = write_hf_model(tmp_path / "t", moe=True, seed=4, vocab_size=vocab)
     drafter = write_drafter(tmp_path / "d", target, block_size=3, mask_token_id=vocab - 1)
     llm = LLM(
-        str(target), draft_model=str(drafter), max_running_requests=512, max_num_batched_tokens=4096
+        str(target),
+        draft_model=str(drafter),
+        max_running_requests=512,
+        max_num_batched_tokens=4096,
+        schedule_mode=mode,
+        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 3)),
     )
     llm.runner.draft = BigramDrafter(llm, vocab, sample_t)
     n = 20_000
@@ -204,6 +247,8 @@ def test_chi_square_speculative_equals_target(
     exp = np.append(want[keep], want[~keep].sum())
     p_value = chi_square_pvalue(obs, exp)
     assert llm.stats.accepted > 0.2 * llm.stats.verified  # acceptance really happened
+    if mode != "verify-all":  # the scheduler really varied the verify lengths
+        assert 0 < llm.stats.verified < 0.95 * llm.stats.drafted
     if lossless:
         assert p_value > 1e-4, p_value
     else:

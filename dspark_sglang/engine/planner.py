@@ -1,0 +1,123 @@
+"""Verify-length planning in the engine: policy state, capacity model, overlap of the lagged K.
+
+Turns one step's draft confidences into verify lengths with the pure policies of
+algo/verify_budget.py, keeps what they need across steps (survival history, acceptance prior,
+the live capacity model), and in lagged mode plans the next step's K on a worker thread while the
+current forward runs (ZOS): that K may only read survival published `lag` steps earlier.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark_sglang.algo.capacity import CapacityModel
+from dspark_sglang.algo.capacity_fit import LiveEstimator
+from dspark_sglang.algo.survival import AcceptancePrior, SurvivalHistory, sts_confidences, survival
+from dspark_sglang.algo.verify_budget import (
+    ScheduleMode,
+    assign_top_k,
+    expected_throughput,
+    lagged_global_k,
+    plan_verify_lengths,
+)
+from dspark_sglang.types import StepRecord
+
+_NO_SPS = np.ones(1)  # modes that never read a capacity curve
+
+
+@dataclass(frozen=True)
+class Plan:
+    lengths: np.ndarray  # [R] verify lengths
+    k: int
+    predicted_seconds: float
+    predicted_theta: float
+    fallback: str
+
+
+class VerifyPlanner:
+    def __init__(
+        self,
+        mode: ScheduleMode,
+        gamma: int,
+        capacity: CapacityModel | None,
+        sts: np.ndarray | None,
+        live: bool,
+        min_user_tps: float,
+        overlap: bool,
+    ) -> None:
+        self.mode, self.gamma, self.sts = mode, gamma, sts
+        self.capacity = capacity
+        self.estimator = LiveEstimator(capacity) if capacity is not None and live else None
+        self.min_user_tps = min_user_tps
+        self.prior = AcceptancePrior.uniform(gamma)
+        self.history = SurvivalHistory(depth=max(mode.lag, 1))
+        self._pool = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
+        self._next_k: Future[int] | None = None
+        self.fallbacks: dict[str, int] = {}
+
+    def plan(
+        self, ids: list[int], conf_logits: np.ndarray | None, max_len: np.ndarray, ctx: int
+    ) -> Plan:
+        r = len(ids)
+        conf = (
+            sts_confidences(conf_logits, self.sts)
+            if conf_logits is not None
+            else np.ones((r, self.gamma))
+        )
+        surv = survival(conf)
+        sps = self.capacity.sps_array(r, r * (self.gamma + 1), ctx) if self.capacity else _NO_SPS
+        fallback = ""
+        if self.mode.name == "lagged":
+            k, fallback = self._lagged_k(np.asarray(ids), sps, max_len)
+            lens = assign_top_k(surv, k, max_len=max_len)
+        else:
+            lens = plan_verify_lengths(
+                self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
+            )
+        self.history = self.history.push(np.asarray(ids), surv)
+        if self._pool is not None:  # next step's K, while this step's forward runs
+            self._next_k = self._pool.submit(
+                self._k_from_history, self.history, np.asarray(ids), self.prior, sps, max_len
+            )
+        if fallback:
+            self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
+        b = r + int(lens.sum())
+        predicted = self.capacity.predict(r, b, ctx) if self.capacity else math.nan
+        theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
+        return Plan(lens, int(lens.sum()), predicted, theta, fallback)
+
+    def _k_from_history(
+        self,
+        history: SurvivalHistory,
+        ids: np.ndarray,
+        prior: AcceptancePrior,
+        sps: np.ndarray,
+        max_len: np.ndarray,
+    ) -> int:
+        lagged = history.lagged(ids, self.mode.lag, prior)
+        return lagged_global_k(lagged, sps, max_len=max_len, min_user_tps=self.min_user_tps)
+
+    def _lagged_k(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[int, str]:
+        future, self._next_k = self._next_k, None
+        if future is not None:
+            return future.result(), ""
+        # No plan from the previous step (first step, or overlap off): the same rule inline.
+        k = self._k_from_history(self.history, ids, self.prior, sps, max_len)
+        return k, ("no_overlap_plan" if self._pool is not None else "")
+
+    def observe(self, verify_lens: np.ndarray, accepted: np.ndarray, rec: StepRecord) -> None:
+        """After a step: update the acceptance prior and the live capacity model."""
+        if verify_lens.size:
+            self.prior = self.prior.observe(verify_lens, accepted)
+        if self.estimator is not None:
+            new = self.estimator.observe(rec)
+            if new is not None:  # swap at the step boundary
+                self.capacity = new
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
