@@ -13,8 +13,8 @@ import pytest
 from dspark_sglang.algo import verify_budget as vb
 from tests.unit.algo.test_acceptance import (
     GAMMA,
-    V,
     Policy,
+    V,
     speculative_sequence_probs,
     target_sequence_probs,
 )
@@ -26,7 +26,7 @@ W = np.array([0.4, 2.5, -1.0])  # confidence logit of the next draft given the p
 
 
 def confidences(prefix: tuple[int, ...], drafts: tuple[int, ...]) -> np.ndarray:
-    prev = (prefix[-1] if prefix else 0,) + drafts[: GAMMA - 1]
+    prev = (prefix[-1] if prefix else 0, *drafts[: GAMMA - 1])
     return 1.0 / (1.0 + np.exp(-W[list(prev)]))[None, :]  # [1, GAMMA]; c_k reads d_{k-1}
 
 
@@ -54,7 +54,7 @@ def test_serving_policies_are_lossless(name: str) -> None:
 
 
 def test_retrospective_is_biased() -> None:
-    policy = lambda p, d: int(vb.retrospective(surv(p, d), SPS)[0])  # noqa: E731
+    policy = lambda p, d: int(vb.retrospective(surv(p, d), SPS)[0])
     lens = {policy((), d) for d in np.ndindex(*(V,) * GAMMA)}
     assert lens == {0, 2}  # admission of d_1 depends on d_1 itself
     want = target_sequence_probs()
