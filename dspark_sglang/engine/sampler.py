@@ -17,16 +17,22 @@ def processed_probs(
     temperatures: torch.Tensor,
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
+    needs_filter: bool = True,
 ) -> torch.Tensor:
     """[N, V] logits -> [N, V] fp32 probabilities after temperature, top-k and top-p.
 
     top_k == 0 and top_p == 1 disable their filter. Rows with temperature == 0 are a one-hot
     at the argmax (lowest index on ties), so acceptance tests can treat greedy like sampling.
+    `needs_filter=False` (the caller knows from the host-side params that no row uses top-k or
+    top-p) skips the vocabulary sort, the dominant cost at small batch.
     """
     logits = logits.float()
     num_vocab = logits.shape[-1]
     greedy = (temperatures == 0).unsqueeze(1)  # [N, 1]
     temps = torch.where(greedy, 1.0, temperatures.float().unsqueeze(1))
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if not needs_filter:
+        return torch.where(greedy, one_hot, (logits / temps).softmax(dim=-1))
     # A stable sort makes top-k break ties toward the lower token id, deterministically.
     sorted_logits, order = (logits / temps).sort(dim=-1, descending=True, stable=True)
 
@@ -45,7 +51,6 @@ def processed_probs(
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
 
     probs = torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
 
 

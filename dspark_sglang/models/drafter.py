@@ -205,6 +205,11 @@ class DSparkDrafter(nn.Module):
         state = self.markov_head.init_state(h[:, 0]) if self.markov_head is not None else None
         greedy = temperatures <= 0
         temp = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
+        # All of a row's noise in one draw ([g, V], the same stream order as slot by slot).
+        noise_all = torch.ones_like(base)
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                noise_all[i].exponential_(generator=gen)
         toks, qs, confs = [], [], []
         for k in range(g):
             logits = base[:, k]
@@ -215,15 +220,11 @@ class DSparkDrafter(nn.Module):
                 bias, state = self.markov_head.step(h[:, k], prev, state)
                 logits = logits + bias.float()
             probs = torch.softmax(logits / temp, dim=-1)
-            noise = torch.ones_like(probs)
-            for i, gen in enumerate(generators):
-                if gen is not None:
-                    noise[i].exponential_(generator=gen)
             # Exponential race: argmax(p / E) is a draw from p; greedy rows keep E = 1.
-            tok = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
-            onehot = F.one_hot(logits.argmax(-1), probs.shape[-1]).float()
-            q = torch.where(greedy[:, None], onehot, probs)
-            tok = torch.where(greedy, logits.argmax(-1), tok)
+            tok = torch.where(probs > 0, probs / noise_all[:, k], -1.0).argmax(dim=-1)
+            best = logits.argmax(-1)
+            q = torch.where(greedy[:, None], F.one_hot(best, probs.shape[-1]).float(), probs)
+            tok = torch.where(greedy, best, tok)
             toks.append(tok)
             qs.append(q)
             prev = tok

@@ -195,3 +195,14 @@ def test_sampling_tensors_dtypes() -> None:
     assert temps.tolist() == [0.0, 0.5]
     assert ks.tolist() == [0, 3]
     torch.testing.assert_close(ps, torch.tensor([1.0, 0.9]))
+
+
+def test_unfiltered_fast_path_equals_the_sorted_path() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 50, generator=g) * 3
+    temps = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0])
+    ks = torch.zeros(5, dtype=torch.long)
+    ps = torch.ones(5)
+    fast = processed_probs(logits, temps, ks, ps, needs_filter=False)
+    slow = processed_probs(logits, temps, ks, ps)
+    torch.testing.assert_close(fast, slow)
