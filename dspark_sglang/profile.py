@@ -192,6 +192,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
     p.add_argument("--output", metavar="FILE", help="also write the JSON to this file")
+    p.add_argument(
+        "--write-profile",
+        metavar="YAML",
+        help="fit a capacity model to the points and write an engine_profiles YAML",
+    )
+    p.add_argument("--profile-name", help="name field of the written profile")
+    p.add_argument("--gamma", type=_int_at_least(1), default=7, help="gamma recorded in it")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -200,6 +207,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"argument --model-path: {args.model_path!r} is not a directory")
     if args.output is not None and not Path(args.output).parent.is_dir():
         p.error(f"argument --output: directory of {args.output!r} does not exist")
+    if args.write_profile is not None and not Path(args.write_profile).parent.is_dir():
+        p.error(f"argument --write-profile: directory of {args.write_profile!r} does not exist")
     return args
 
 
@@ -252,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     line = json.dumps(report)
     if args.output is not None:
         Path(args.output).write_text(line + "\n")
+    if args.write_profile is not None:
+        from dspark_sglang.capacity_profile import profile_from_report, save_profile
+
+        name = args.profile_name or Path(args.write_profile).stem
+        target = args.model_path or SYNTHETIC_NAME
+        save_profile(
+            profile_from_report(report, name=name, gamma=args.gamma, target=target),
+            args.write_profile,
+        )
     print(line if args.json else format_table(report))
     return 0
 

@@ -134,3 +134,31 @@ def test_context_beyond_model_limit_exits_2(capsys: pytest.CaptureFixture[str]) 
     assert main(["--quick", "--json", "--context-len", "40000", "--batch-sizes", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--context-len" in err
+
+
+def test_write_profile_round_trips_through_the_engine_loader(tmp_path: Path) -> None:
+    from dspark_sglang.capacity_profile import load_profile
+
+    out = tmp_path / "cpu.yaml"
+    rc = main(
+        [
+            "--quick",
+            "--json",
+            "--batch-sizes",
+            "1,2",
+            "--verify-lens",
+            "0,2",
+            "--num-reqs",
+            "1,2",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--write-profile",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    prof = load_profile(out)
+    assert prof.provenance.kind == "measured" and "dspark_sglang.profile" in prof.provenance.command
+    assert prof.model.predict(2, 6) > prof.model.predict(1, 1) > 0
