@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format profile clean
+.PHONY: install test lint format profile serve tiny-model clean
 
 install: $(STAMP)
 
@@ -26,6 +26,32 @@ format: $(STAMP)
 
 profile: $(STAMP)
 	$(PY) -m dspark_sglang.profile --quick
+
+HOST ?= 127.0.0.1
+PORT ?= 30000
+
+# One host: router + prefill + decode with the bundled model; prints the URL when ready.
+serve: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m dspark_sglang.launch_server --role all \
+		--host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+TINY := build/tiny-model
+
+# Reproduces the bundled target and drafters (about 1.5 h on 2 CPU cores; not part of `test`).
+tiny-model: $(STAMP)
+	$(PY) -m dspark_sglang.train corpus --out $(TINY)/corpus
+	$(PY) -m dspark_sglang.train tokenizer --corpus $(TINY)/corpus --out $(TINY)/tokenizer
+	$(PY) -m dspark_sglang.train target --corpus $(TINY)/corpus --tokenizer $(TINY)/tokenizer \
+		--out dspark_sglang/assets/tiny-moe --steps 1200 --bf16 --threads 1 --max-minutes 35
+	$(PY) -m dspark_sglang.train prompts --heldout $(TINY)/corpus/heldout.jsonl \
+		--out dspark_sglang/assets/heldout_prompts.jsonl
+	for k in dspark dflash; do \
+		$(PY) -m dspark_sglang.train drafter --target dspark_sglang/assets/tiny-moe \
+			--corpus $(TINY)/corpus/train.jsonl --samples $(TINY)/drafter_samples.jsonl \
+			--num-samples 1536 --out dspark_sglang/assets/drafters/$$k --kind $$k \
+			--steps 4000 --max-minutes 24 --threads 1 || exit 1; \
+	done
+	$(PY) -m dspark_sglang.calibrate --plot docs/results/sts_reliability.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

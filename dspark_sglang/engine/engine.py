@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from dspark_sglang.algo.capacity import CapacityModel
-from dspark_sglang.algo.capacity_fit import fit_additive
+from dspark_sglang.algo.capacity_fit import fit_additive, fit_table
 from dspark_sglang.algo.verify_budget import ScheduleMode, parse_schedule_mode
 from dspark_sglang.config import (
     CacheConfig,
@@ -178,7 +178,13 @@ class LLMEngine:
             for k in ("R", "B", "ctx", "median_s")
         )
         # The step records' ctx is the attended context summed over requests.
-        return CapacityModel(fit_additive(r, b, r * c + b, s))
+        try:
+            return CapacityModel(fit_additive(r, b, r * c + b, s))
+        except ValueError:
+            # Too few or too noisy points for the additive form (tiny models on a busy host):
+            # a per-B table of medians is always fittable; the live estimator refines it.
+            buckets = tuple(int(x) for x in np.unique(b))
+            return CapacityModel(fit_table(b, s, buckets))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -220,6 +226,11 @@ class LLMEngine:
         n = len(h.prompt_ids)
         if n + 1 > self.runner.max_model_len:
             raise ConfigError(f"handoff of {n} prompt tokens exceeds the context limit")
+        if not self.scheduler.fits_pool(n, h.params):
+            raise ConfigError(
+                f"handoff needs up to {n + h.params.max_tokens - 1} KV tokens but the decode "
+                f"pool holds only {self.pool.num_blocks * self.pool.page_size}"
+            )
         if not self.scheduler.can_adopt(n):
             return None
         seq = self.scheduler.adopt(h.prompt_ids, h.params, h.first_token)
@@ -243,7 +254,8 @@ class LLMEngine:
         self.scheduler.abort(seq_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """True while any request is queued, running, or finished but not yet reported."""
+        return self.scheduler.has_work or any(s.is_finished for s in self.scheduler.seqs.values())
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -75,6 +75,11 @@ class Scheduler:
             and self.pool.blocks_for(num_prompt_tokens + 1) <= self.pool.num_free_blocks
         )
 
+    def fits_pool(self, num_prompt_tokens: int, params: SamplingParams) -> bool:
+        """Whether the request's peak KV fits the whole pool (else it could never finish)."""
+        peak = min(num_prompt_tokens + params.max_tokens, self.max_model_len) - 1
+        return self.pool.blocks_for(peak) <= self.pool.num_blocks
+
     def abort(self, seq_id: int) -> None:
         seq = self.seqs.get(seq_id)
         if seq is not None and not seq.is_finished:

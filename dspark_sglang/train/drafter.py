@@ -142,7 +142,10 @@ def drafter_loss(
         c = drafter.project_context(taps[start : start + n])  # [T, H]
         ctx = drafter.context_kv(c, torch.arange(n))
         anchors = sample_anchors(s, num_anchors, g, rng)
-        a = torch.tensor(anchors)
+        if not anchors:  # the target stopped at once: nothing generated to learn from
+            start += n
+            continue
+        a = torch.tensor(anchors, dtype=torch.long)
         nb = len(anchors)
         kv = [(k.expand(nb, *k.shape), v.expand(nb, *v.shape)) for k, v in ctx]
         mask = torch.arange(n)[None, :] < a[:, None]  # context strictly before the anchor
@@ -208,10 +211,14 @@ def train(
     ema: dict[str, float] = {}
     step = 0
     for step in bar:
+        # Progress follows the step count or the time budget, whichever is further along, so a
+        # slowed machine still completes the cosine decay by the deadline.
+        progress = max(step / args.steps, (time.monotonic() - t0) / (60 * args.max_minutes))
+        warm_frac = warm / args.steps
         lr = args.lr * (
-            (step + 1) / warm
-            if step < warm
-            else 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, args.steps - warm)))
+            max(progress / warm_frac, 1 / warm)
+            if progress < warm_frac
+            else 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warm_frac) / (1 - warm_frac))))
         )
         for grp in opt.param_groups:
             grp["lr"] = lr
@@ -225,7 +232,7 @@ def train(
         for k, v in stats.items():
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()}, refresh=False)
-        if time.monotonic() - t0 > 60 * args.max_minutes:
+        if progress >= 1.0:
             break
     return {**ema, "steps": step + 1, "minutes": (time.monotonic() - t0) / 60}
 
@@ -265,9 +272,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-minutes", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest here)")
 
 
 def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
     target = load_target(args.target, tap_layer_ids=args.target_layer_ids)
     tcfg = target.cfg
     mask_id = json.loads((args.target / "tokenizer_config.json").read_text()).get("mask_token_id")

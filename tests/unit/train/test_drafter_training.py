@@ -48,7 +48,7 @@ def test_a_few_steps_lower_the_loss_and_export_loads(tmp_path: Path, kind: str) 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.7 * losses[0], losses
     assert (stats["conf"] > 0) == (kind != "dflash")
     export(drafter, cfg, tmp_path / "out", {"steps": 25})

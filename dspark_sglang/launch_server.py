@@ -1,0 +1,206 @@
+"""`python -m dspark_sglang.launch_server`: flags (DESIGN §7) -> Config -> serve.launch.
+
+With no model flags it serves the bundled tiny model and its DSpark drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
+from dspark_sglang.config import (
+    DTYPES,
+    CacheConfig,
+    Config,
+    ConfigError,
+    DraftConfig,
+    ModelConfig,
+    SchedConfig,
+    ServeConfig,
+)
+
+BUNDLED_DRAFTER = ASSETS_DIR / "drafters" / "dspark"
+
+
+def _defaults(cls: type) -> argparse.Namespace:
+    """Field defaults of a slots dataclass (its class attributes are slot descriptors)."""
+    return argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(cls)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_sglang.launch_server",
+        description="OpenAI-compatible DSpark server: router + prefill/decode workers over ZMQ.",
+    )
+    a = p.add_argument
+    a(
+        "--role",
+        choices=("all", "router", "prefill", "decode"),
+        default="all",
+        help="all = router + every worker on this host (default)",
+    )
+    a("--worker-index", type=int, default=0, help="which prefill/decode address this worker binds")
+    a("--model-path", help="HF model folder (default: the bundled tiny model)")
+    a(
+        "--draft-model-path",
+        help="DeepSpec drafter folder (default with the bundled model: its bundled DSpark drafter)",
+    )
+    dc = _defaults(DraftConfig)
+    a("--served-model-name", help="model id in the API (default: the model folder's name)")
+    a("--engine", choices=("reference", "sglang"), default="reference")
+    a("--speculative-algorithm", choices=("dspark", "none"), default="dspark")
+    a("--num-speculative-tokens", type=int, help="gamma (default: the drafter's block size)")
+    a(
+        "--schedule-mode",
+        default=dc.schedule_mode,
+        help="lagged|sync|verify-all|fixed:N|threshold:C|mtp1",
+    )
+    a(
+        "--capacity-profile",
+        help="engine_profiles YAML (default: profile at start-up in the lagged and sync modes)",
+    )
+    a("--startup-profile-seconds", type=float, default=dc.startup_profile_seconds)
+    a("--min-user-tps", type=float, default=dc.min_user_tps, help="per-request tokens/s floor")
+    a("--ep-size", type=int, default=1, help="expert parallelism (reference engine: 1)")
+    a("--dtype", choices=DTYPES, default="float32")
+    a("--device", default="cpu")
+    a("--max-model-len", type=int)
+    a("--page-size", type=int, default=_defaults(CacheConfig).page_size)
+    a("--kv-cache-bytes", type=int, default=_defaults(CacheConfig).kv_cache_bytes)
+    a("--num-blocks", type=int)
+    sc = _defaults(SchedConfig)
+    a("--max-running-requests", type=int, default=sc.max_running_requests)
+    a("--max-num-batched-tokens", type=int, default=sc.max_num_batched_tokens)
+    a("--chunked-prefill-size", type=int, default=sc.chunked_prefill_size)
+    a("--seed", type=int, default=0)
+    s = _defaults(ServeConfig)
+    a("--host", default=s.host, help="HTTP bind address")
+    a("--port", type=int, default=s.port, help="HTTP port")
+    a("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    a("--num-prefill-workers", type=int, default=1)
+    a("--num-decode-workers", type=int, default=1)
+    a("--zmq-host", default="127.0.0.1", help="host of the derived ZMQ addresses")
+    a(
+        "--zmq-port",
+        type=int,
+        default=30100,
+        help="first port of the derived ZMQ addresses: "
+        "router, then prefill workers, then decode workers",
+    )
+    a("--zmq-api-addr", help="router inbox, e.g. tcp://10.0.0.1:30100 (overrides the derived)")
+    a("--zmq-prefill-addrs", help="comma-separated prefill worker addresses")
+    a("--zmq-decode-addrs", help="comma-separated decode worker addresses")
+    a("--zmq-curve-dir", help="folder with the CurveZMQ cluster certificate")
+    a("--zmq-hmac-key-file", help="file holding a shared secret that signs every ZMQ message")
+    a("--gen-curve-keys", metavar="DIR", help="write a new cluster certificate to DIR and exit")
+    a("--max-pending-requests", type=int, default=s.max_pending_requests)
+    a("--request-timeout", type=float, default=s.request_timeout_s, help="seconds")
+    a("--heartbeat-interval", type=float, default=s.heartbeat_interval_s, help="seconds")
+    a("--heartbeat-timeout", type=float, default=s.heartbeat_timeout_s, help="seconds")
+    return p
+
+
+def _addrs(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    base, host = args.zmq_port, args.zmq_host
+    n_pre, n_dec = args.num_prefill_workers, args.num_decode_workers
+    if n_pre < 1 or n_dec < 1:
+        raise ConfigError("--num-prefill-workers and --num-decode-workers must be >= 1")
+    pre = tuple(f"tcp://{host}:{base + 1 + i}" for i in range(n_pre))
+    dec = tuple(f"tcp://{host}:{base + 1 + n_pre + i}" for i in range(n_dec))
+    split = lambda v: tuple(x.strip() for x in v.split(",") if x.strip())
+    return (
+        args.zmq_api_addr or f"tcp://{host}:{base}",
+        split(args.zmq_prefill_addrs) if args.zmq_prefill_addrs else pre,
+        split(args.zmq_decode_addrs) if args.zmq_decode_addrs else dec,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    if args.engine == "sglang":
+        raise ConfigError("--engine sglang is not available yet; use --engine reference")
+    if args.capacity_profile is not None and not Path(args.capacity_profile).is_file():
+        raise ConfigError(f"--capacity-profile {args.capacity_profile} does not exist")
+    if args.ep_size != 1:
+        raise ConfigError("--ep-size: the reference engine runs one rank; use 1")
+    model, draft = args.model_path, args.draft_model_path
+    if model is None:
+        model = str(bundled_target_dir())
+        if not (Path(model) / "config.json").is_file():
+            raise ConfigError(f"the bundled model is not installed at {model}; pass --model-path")
+        if draft is None and (BUNDLED_DRAFTER / "config.json").is_file():
+            draft = str(BUNDLED_DRAFTER)
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"--model-path {model}: no config.json there")
+    if draft is not None and not (Path(draft) / "config.json").is_file():
+        raise ConfigError(f"--draft-model-path {draft}: no config.json there")
+    api, pre, dec = _addrs(args)
+    return Config(
+        model=ModelConfig(
+            path=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len
+        ),
+        cache=CacheConfig(
+            page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_blocks=args.num_blocks
+        ),
+        sched=SchedConfig(
+            max_running_requests=args.max_running_requests,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+        ),
+        draft=DraftConfig(
+            path=draft,
+            speculative_algorithm=args.speculative_algorithm,
+            num_speculative_tokens=args.num_speculative_tokens,
+            schedule_mode=args.schedule_mode,
+            capacity_profile=args.capacity_profile,
+            startup_profile_seconds=args.startup_profile_seconds,
+            min_user_tps=args.min_user_tps,
+        ),
+        seed=args.seed,
+        serve=ServeConfig(
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            api_addr=api,
+            prefill_addrs=pre,
+            decode_addrs=dec,
+            curve_dir=args.zmq_curve_dir,
+            hmac_key_file=args.zmq_hmac_key_file,
+            max_pending_requests=args.max_pending_requests,
+            request_timeout_s=args.request_timeout,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.gen_curve_keys:
+        from dspark_sglang.serve.transport import generate_curve_keys
+
+        generate_curve_keys(args.gen_curve_keys)
+        print(f"wrote {args.gen_curve_keys}/cluster.key and cluster.key_secret")
+        return 0
+    try:
+        cfg = config_from_args(args)
+        from dspark_sglang.serve import launch
+        from dspark_sglang.serve.transport import Security
+
+        Security(cfg.serve)  # a missing key file fails here, before any process starts
+        if args.role == "all":
+            return launch.run_all(cfg)
+        launch.run_role(cfg, args.role, args.worker_index)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

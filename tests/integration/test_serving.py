@@ -1,0 +1,234 @@
+"""The OpenAI surface over real PD processes: completions, chat, streaming, stop strings, bad
+input, concurrency, the real `openai` client, greedy parity with the one-process engine, KV freed
+on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from dspark_sglang.engine.engine import LLM
+from dspark_sglang.types import SamplingParams
+from tests.integration.conftest import Cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def post(c: Cluster, path: str, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{c.url}{path}", json=body, timeout=timeout)
+
+
+def sse(c: Cluster, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", f"{c.url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+            if line == "data: [DONE]":
+                events.append({"done": True})
+    return events
+
+
+def test_health_models_ready(cluster: Cluster) -> None:
+    assert httpx.get(f"{cluster.url}/health").json() == {"status": "ok"}
+    r = httpx.get(f"{cluster.url}/ready").json()
+    assert r["ready"] and r["workers"] == {"prefill0": "up", "decode0": "up"}
+    models = httpx.get(f"{cluster.url}/v1/models").json()
+    assert models["data"][0]["id"] == "t"
+
+
+def test_completion_usage_and_accept_length(cluster: Cluster) -> None:
+    r = post(cluster, "/v1/completions", {"prompt": "hello", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    ext = body["dspark"]
+    assert ext["spec_rounds"] >= 1 and ext["accept_length"] >= 1.0
+    assert len(body["choices"][0]["text"]) >= 1
+
+
+def test_chat_and_streaming_agree(cluster: Cluster) -> None:
+    req = {
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+    whole = post(cluster, "/v1/chat/completions", req).json()
+    assert whole["object"] == "chat.completion"
+    text = whole["choices"][0]["message"]["content"]
+    events = sse(
+        cluster, "/v1/chat/completions", {**req, "stream_options": {"include_usage": True}}
+    )
+    assert events[-1] == {"done": True}
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    streamed = "".join(
+        e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e.get("choices")
+    )
+    assert streamed == text
+    finals = [e for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
+    assert finals[0]["choices"][0]["finish_reason"] == "length" and "dspark" in finals[0]
+    assert events[-2]["usage"]["completion_tokens"] == 10
+
+
+def test_stop_strings_cut_and_never_leak_in_streams(cluster: Cluster) -> None:
+    base = {"prompt": "abc", "max_tokens": 60, "temperature": 0}
+    full = post(cluster, "/v1/completions", base).json()["choices"][0]["text"]
+    stop = full[7:9]  # a two-character stop that first occurs at or before index 7
+    cut = full[: full.find(stop)]
+    r = post(cluster, "/v1/completions", {**base, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
+    events = sse(cluster, "/v1/completions", {**base, "stop": stop})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n=2"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "context length"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "9"}, "max_tokens"),
+        ("/v1/completions", {"prompt": ""}, "empty"),
+        ("/v1/completions", {"prompt": "x" * 5000}, "context length"),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": 3}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "bogus": 1}, "bogus"),
+        ("/v1/completions", {"prompt": [1, 2, 999]}, "token ids"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "model": "other"}, "not found"),
+        ("/v1/chat/completions", {"messages": []}, "empty"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ],
+)
+def test_bad_input_is_a_clear_4xx(cluster: Cluster, path: str, body: dict, needle: str) -> None:
+    r = post(cluster, path, body)
+    assert 400 <= r.status_code < 500, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_invalid_json_is_400(cluster: Cluster) -> None:
+    r = httpx.post(
+        f"{cluster.url}/v1/completions",
+        content=b"{\xff",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+
+
+def test_concurrency_32_mixed_lengths(cluster: Cluster) -> None:
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, dict]:
+        body = {
+            "prompt": "q" * (1 + i * 7 % 50),
+            "max_tokens": 1 + i * 5 % 40,
+            "temperature": 0.8 if i % 2 else 0.0,
+            "seed": i,
+            "stream": i % 3 == 0,
+        }
+        if body["stream"]:
+            text = []
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ev = json.loads(line[6:])
+                        text.append(ev["choices"][0]["text"])
+                        if ev["choices"][0]["finish_reason"]:
+                            last = ev
+            return i, {"n": last["dspark"], "status": r.status_code}
+        r = await client.post("/v1/completions", json=body)
+        return i, {"usage": r.json()["usage"], "status": r.status_code}
+
+    async def main() -> list[tuple[int, dict]]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert all(r["status"] == 200 for _, r in results)
+    for i, r in results:
+        if "usage" in r:
+            assert r["usage"]["completion_tokens"] == 1 + i * 5 % 40
+
+
+def test_real_openai_client(cluster: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["t"]
+    c = client.completions.create(model="t", prompt="hello", max_tokens=8, temperature=0)
+    assert c.usage.completion_tokens == 8 and c.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model="t", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="t",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="t", prompt="hi", n=3)
+
+
+def test_greedy_pd_equals_single_process_engine(
+    cluster: Cluster, model_pair: tuple[Path, Path]
+) -> None:
+    target, drafter = model_pair
+    prompts = ["hello world", "abc", "The quick brown fox", "z" * 40]
+    llm = LLM(str(target), draft_model=str(drafter))
+    want = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    for p, w in zip(prompts, want, strict=True):
+        r = post(cluster, "/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == w.text
+    # Seeded sampling continues the same random stream across the handoff too.
+    sp = SamplingParams(temperature=0.9, seed=7, max_tokens=24)
+    w = llm.generate(["seeded"], sp)[0]
+    body = {"prompt": "seeded", "max_tokens": 24, "temperature": 0.9, "seed": 7}
+    assert post(cluster, "/v1/completions", body).json()["choices"][0]["text"] == w.text
+
+
+def _pool_full(c: Cluster) -> bool:
+    mt = c.metrics()
+    return (
+        all(
+            mt[f'dspark_kv_pool_free_blocks{{worker="{w}"}}']
+            == mt[f'dspark_kv_pool_blocks{{worker="{w}"}}']
+            and mt[f'dspark_running_requests{{worker="{w}"}}'] == 0
+            for w in ("prefill0", "decode0")
+        )
+        and mt["dspark_inflight_requests"] == 0
+    )
+
+
+def test_client_disconnect_frees_kv(cluster: Cluster) -> None:
+    body = {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        deadline = time.monotonic() + 5
+        while cluster.metrics()['dspark_running_requests{worker="decode0"}'] != 1:
+            assert time.monotonic() < deadline, "the stream never showed up as running"
+            time.sleep(0.1)
+    # (the stream closes here, mid-generation)
+    deadline = time.monotonic() + 10
+    while not _pool_full(cluster):
+        assert time.monotonic() < deadline, "KV not freed 10 s after the client left"
+        time.sleep(0.2)
+    # A non-streaming client that gives up frees its KV too.
+    with pytest.raises(httpx.ReadTimeout):
+        post(cluster, "/v1/completions", {**body, "stream": False}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while not _pool_full(cluster):
+        assert time.monotonic() < deadline, "KV not freed after a non-streaming disconnect"
+        time.sleep(0.2)

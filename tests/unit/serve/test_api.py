@@ -1,0 +1,118 @@
+"""The HTTP front without workers: no torch in the process, auth, refusals, OpenAI error shape."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from dspark_sglang.config import Config, ModelConfig, ServeConfig
+from dspark_sglang.serve.api import MAX_BODY_BYTES, create_app
+from tests.conftest import write_char_tokenizer
+
+API = Path(__file__).resolve().parents[3] / "dspark_sglang" / "serve" / "api.py"
+ALLOWED = {
+    "config",
+    "types",
+    "serve.messages",
+    "serve.transport",
+    "chat_template",
+    "engine.detokenizer",
+}
+
+
+def test_api_imports_no_torch() -> None:
+    code = "import sys, dspark_sglang.serve.api; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_api_imports_only_the_allowed_package_modules() -> None:
+    mods = set()
+    for node in ast.walk(ast.parse(API.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("dspark_sglang."):
+            base = node.module.removeprefix("dspark_sglang.")
+            mods |= {f"{base}.{a.name}" if base == "serve" else base for a in node.names}
+        elif isinstance(node, ast.Import):
+            mods |= {a.name for a in node.names if a.name.startswith("dspark_sglang")}
+    assert mods <= ALLOWED, mods - ALLOWED
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "vocab_size": 128,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    write_char_tokenizer(model)
+    ipc = lambda n: f"ipc://{tmp_path}/{n}"
+    serve = ServeConfig(
+        api_key="k", api_addr=ipc("a"), prefill_addrs=(ipc("p"),), decode_addrs=(ipc("d"),)
+    )
+    with TestClient(create_app(Config(ModelConfig(str(model)), serve=serve))) as c:
+        yield c
+
+
+AUTH = {"Authorization": "Bearer k"}
+
+
+def test_api_key_on_every_route_but_health(client: TestClient) -> None:
+    assert client.get("/health").status_code == 200
+    for path in ("/ready", "/metrics", "/v1/models"):
+        r = client.get(path)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "m"
+
+
+def test_no_workers_is_503_with_retry_after(client: TestClient) -> None:
+    assert client.get("/ready", headers=AUTH).status_code == 503
+    r = client.post("/v1/completions", json={"prompt": "hi"}, headers=AUTH)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "server_error"
+
+
+def test_refusals_before_any_worker_is_asked(client: TestClient) -> None:
+    cases = [
+        ({"prompt": "hi", "n": 2}, "n=2 is not supported"),
+        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": ["a", "b"]}, "batched prompts"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "stop": ["s"] * 17}, "stop"),
+        ({"prompt": "hi", "max_tokens": 255}, "context length 256"),
+        ({"prompt": "hi", "unknown": True}, "unknown: Extra inputs are not permitted"),
+    ]
+    for body, needle in cases:
+        r = client.post("/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+    r = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, headers=AUTH
+    )
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_oversized_body_is_413(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions",
+        content=b" " * (MAX_BODY_BYTES + 1),
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code == 413

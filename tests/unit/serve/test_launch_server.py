@@ -1,0 +1,67 @@
+"""launch_server: flags -> Config, and CLI errors that name the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_sglang.launch_server import build_parser, config_from_args, main
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--engine", "sglang"], "--engine sglang is not available yet"),
+        (["--capacity-profile", "x.yaml"], "--capacity-profile x.yaml does not exist"),
+        (["--ep-size", "2"], "--ep-size"),
+        (["--model-path", "/nonexistent"], "--model-path /nonexistent"),
+        (["--draft-model-path", "/nonexistent"], "--draft-model-path /nonexistent"),
+        (["--num-decode-workers", "0"], "--num-decode-workers"),
+        (["--zmq-decode-addrs", "tcp://10.1.2.3:9"], "--zmq-curve-dir"),
+        (["--zmq-hmac-key-file", "/nonexistent"], "--zmq-hmac-key-file /nonexistent"),
+        (["--port", "0"], "--port"),
+    ],
+)
+def test_cli_errors_name_the_flag(
+    model: Path, flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = flags if "--model-path" in flags else ["--model-path", str(model), *flags]
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_derived_addresses_for_several_workers(model: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "--model-path",
+            str(model),
+            "--num-prefill-workers",
+            "2",
+            "--num-decode-workers",
+            "3",
+            "--zmq-port",
+            "40000",
+            "--speculative-algorithm",
+            "none",
+            "--page-size",
+            "8",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert cfg.serve.api_addr == "tcp://127.0.0.1:40000"
+    assert cfg.serve.prefill_addrs == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40002")
+    assert cfg.serve.decode_addrs[-1] == "tcp://127.0.0.1:40005"
+    assert cfg.cache.page_size == 8 and not cfg.draft.enabled
+
+
+def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--gen-curve-keys", str(tmp_path / "k")]) == 0
+    assert (tmp_path / "k" / "cluster.key_secret").is_file()
