@@ -55,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-speculative-tokens", type=int, help="gamma (default: the drafter's block size)")
     a(
         "--schedule-mode",
-        default=dc.schedule_mode,
-        help="lagged|sync|verify-all|fixed:N|threshold:C|mtp1",
+        # Serving defaults to the paper's production policy (DESIGN §3): lagged top-K, K planned
+        # during the previous step. The offline LLM keeps verify-all, which needs no profile.
+        default="lagged",
+        help="lagged|sync|verify-all|fixed:N|threshold:C|mtp1 (default: lagged)",
     )
     a(
         "--capacity-profile",
