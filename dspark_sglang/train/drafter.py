@@ -273,6 +273,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-minutes", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest here)")
+    p.add_argument("--init-from", type=Path, help="start from an exported drafter's weights")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -297,6 +298,17 @@ def main(args: argparse.Namespace) -> None:
             )
     cfg = draft_config(tcfg, args.kind, args, int(mask_id))
     drafter = new_drafter(cfg, target, args.seed)
+    if args.init_from is not None:  # continue a previous run (its exported weights)
+        from safetensors.torch import load_file
+
+        sd = load_file(str(args.init_from / "model.safetensors"))
+        missing, unexpected = drafter.load_state_dict(
+            {k: v.float() for k, v in sd.items()}, strict=False
+        )
+        if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
+            raise SystemExit(
+                f"--init-from {args.init_from}: keys do not match {missing} {unexpected}"
+            )
     summary = train(drafter, target, samples, args)
     summary.update(command=" ".join(sys.argv), kind=args.kind, num_samples=len(samples))
     export(drafter, cfg, args.out, summary)
