@@ -10,7 +10,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,dev,sglang]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -250,6 +250,7 @@ class Config:
     draft: DraftConfig = field(default_factory=DraftConfig)
     seed: int = 0
     serve: ServeConfig = field(default_factory=lambda: ServeConfig())
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -413,3 +414,38 @@ class ServeConfig:
             raise ConfigError("--max-pending-requests and --request-timeout must be positive")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+
+
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Expert parallelism of the reference engine: `ep_size` processes on this host, each owning a
+    contiguous 1/ep_size of every MoE layer's experts; attention is replicated (docs/ep.md)."""
+
+    ep_size: int = 1
+    dist_backend: str = "auto"  # auto: gloo on CPU, nccl on CUDA
+    ep_timeout_s: float = 60.0  # a collective inside a step that waits longer fails the engine
+    exit_on_rank_failure: bool = False  # serving: a dead rank ends the worker process at once
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ConfigError(f"--ep-size must be >= 1, got {self.ep_size}")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise ConfigError(
+                f"dist_backend must be one of {DIST_BACKENDS}, got {self.dist_backend!r}"
+            )
+        if self.ep_timeout_s <= 0:
+            raise ConfigError("ep_timeout_s must be positive")
+
+    def check_arch(self, arch: ArchConfig) -> None:
+        """Expert parallelism needs a MoE target whose experts split evenly over the ranks."""
+        if self.ep_size == 1:
+            return
+        if not arch.is_moe:
+            raise ConfigError(f"--ep-size {self.ep_size} needs a MoE target; this one is dense")
+        if arch.num_experts % self.ep_size:
+            raise ConfigError(
+                f"--ep-size {self.ep_size} must divide the target's num_experts {arch.num_experts}"
+            )

@@ -13,11 +13,13 @@ from pathlib import Path
 from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
 from dspark_sglang.config import (
     DTYPES,
+    ArchConfig,
     CacheConfig,
     Config,
     ConfigError,
     DraftConfig,
     ModelConfig,
+    ParallelConfig,
     SchedConfig,
     ServeConfig,
 )
@@ -66,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--startup-profile-seconds", type=float, default=dc.startup_profile_seconds)
     a("--min-user-tps", type=float, default=dc.min_user_tps, help="per-request tokens/s floor")
-    a("--ep-size", type=int, default=1, help="expert parallelism (reference engine: 1)")
+    a(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel processes per worker, each owning 1/N of the experts (MoE targets)",
+    )
     a("--dtype", choices=DTYPES, default="float32")
     a("--device", default="cpu")
     a("--max-model-len", type=int)
@@ -102,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--request-timeout", type=float, default=s.request_timeout_s, help="seconds")
     a("--heartbeat-interval", type=float, default=s.heartbeat_interval_s, help="seconds")
     a("--heartbeat-timeout", type=float, default=s.heartbeat_timeout_s, help="seconds")
+    a("--sglang-config", help="--engine sglang: deployment YAML (launch/sglang_*.yaml)")
+    a("--node-rank", type=int, default=0, help="--engine sglang: this node's rank in its server")
+    a("--dry-run", action="store_true", help="--engine sglang: print the commands, start nothing")
     return p
 
 
@@ -122,11 +132,9 @@ def _addrs(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tuple[str, .
 
 def config_from_args(args: argparse.Namespace) -> Config:
     if args.engine == "sglang":
-        raise ConfigError("--engine sglang is not available yet; use --engine reference")
+        raise ConfigError("--engine sglang: main() hands it to dspark_sglang.sglang_launch")
     if args.capacity_profile is not None and not Path(args.capacity_profile).is_file():
         raise ConfigError(f"--capacity-profile {args.capacity_profile} does not exist")
-    if args.ep_size != 1:
-        raise ConfigError("--ep-size: the reference engine runs one rank; use 1")
     model, draft = args.model_path, args.draft_model_path
     if model is None:
         model = str(bundled_target_dir())
@@ -138,6 +146,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--model-path {model}: no config.json there")
     if draft is not None and not (Path(draft) / "config.json").is_file():
         raise ConfigError(f"--draft-model-path {draft}: no config.json there")
+    # A dead EP rank ends its worker at once, so the router sees a dead worker (docs/ep.md).
+    parallel = ParallelConfig(ep_size=args.ep_size, exit_on_rank_failure=True)
+    if parallel.ep_size > 1:
+        try:
+            arch = ArchConfig.from_model_path(model)
+        except ConfigError as e:
+            raise ConfigError(f"--ep-size {args.ep_size} needs a readable target: {e}") from None
+        parallel.check_arch(arch)
     api, pre, dec = _addrs(args)
     return Config(
         model=ModelConfig(
@@ -161,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             min_user_tps=args.min_user_tps,
         ),
         seed=args.seed,
+        parallel=parallel,
         serve=ServeConfig(
             host=args.host,
             port=args.port,
@@ -181,6 +198,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.engine == "sglang":  # SGLang runs the engine; we generate and start its commands
+        from dspark_sglang.sglang_launch import main as launch_sglang
+
+        return launch_sglang(args)
     if args.gen_curve_keys:
         from dspark_sglang.serve.transport import generate_curve_keys
 

@@ -72,6 +72,9 @@ QUICK = {
     "repeats": 5,
     "warmup": 1,
 }
+# --ep-size N > 1 (bench/ep.py): decode steps up to larger B, where expert load imbalance shows.
+EP_FULL = {"batch_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256), "context_len": 32, "repeats": 5}
+EP_QUICK = {"batch_sizes": (1, 8, 64), "context_len": 16, "repeats": 3}
 
 
 def write_synthetic_model(path: Path) -> None:
@@ -199,8 +202,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--profile-name", help="name field of the written profile")
     p.add_argument("--gamma", type=_int_at_least(1), default=7, help="gamma recorded in it")
+    p.add_argument(
+        "--ep-size",
+        type=_int_at_least(1),
+        default=1,
+        help="> 1: benchmark decode steps at EP=1 and EP=N with balanced and skewed routing, and "
+        "the EP-aware capacity model's error (docs/ep.md)",
+    )
+    p.add_argument("--rounds", type=_int_at_least(1), default=4, help="--ep-size: timed rounds")
+    p.add_argument("--plot", metavar="PNG", help="--ep-size: write the plot here")
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
+    preset = QUICK if args.quick else FULL
+    if args.ep_size > 1:
+        preset = {**preset, **(EP_QUICK if args.quick else EP_FULL)}
+    for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.model_path is not None and not Path(args.model_path).is_dir():
@@ -232,6 +247,14 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.ep_size > 1:
+        from dspark_sglang.bench.ep import main as ep_main
+
+        try:
+            return ep_main(args, argv, write_synthetic_model)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         with tempfile.TemporaryDirectory(prefix="dspark-profile-") as tmp:
             model_path = args.model_path

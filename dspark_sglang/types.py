@@ -103,3 +103,5 @@ class StepRecord:
     predicted_theta: float = float("nan")  # expected tokens/s of the chosen plan
     capacity_version: int = -1
     fallback: str = ""  # why the planner fell back this step ("" = it did not)
+    # routed (token, expert) pairs per EP rank, summed over MoE layers; () with one rank
+    routed_tokens_per_rank: tuple[int, ...] = ()

@@ -26,15 +26,17 @@ from dspark_sglang.config import (
     ConfigError,
     DraftConfig,
     ModelConfig,
+    ParallelConfig,
     SchedConfig,
 )
 from dspark_sglang.engine.batch import ForwardBatch, build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.detokenizer import IncrementalDetokenizer, find_stop
+from dspark_sglang.engine.ep import create_runner
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.engine.kv_cache import slots
 from dspark_sglang.engine.planner import Plan, VerifyPlanner
-from dspark_sglang.engine.profiler import startup_grid, time_point
+from dspark_sglang.engine.profiler import ep_load_term, startup_grid, time_point
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sampler import make_generator, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
@@ -97,6 +99,14 @@ def _generation_eos(model_path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+def _per_rank(per_expert: list[int], ep_size: int) -> tuple[int, ...]:
+    """Routed pairs per EP rank: rank r owns the r-th contiguous block of experts."""
+    if ep_size == 1 or not per_expert:
+        return ()
+    n = len(per_expert) // ep_size
+    return tuple(sum(per_expert[r * n : (r + 1) * n]) for r in range(ep_size))
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -108,7 +118,7 @@ class LLMEngine:
         self.config = config
         self.rounds: list[RoundRecord] | None = [] if record_rounds else None
         self.mode = parse_schedule_mode(config.draft.schedule_mode)
-        self.runner = ModelRunner(config.model, config.cache, config.draft)
+        self.runner: ModelRunner = create_runner(config)
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
         self.pool = BlockPool(self.runner.num_blocks, self.runner.page_size)
         eos = self.runner.arch.eos_token_ids + _generation_eos(config.model.path)
@@ -177,14 +187,18 @@ class LLMEngine:
             np.array([row[k] for row in rows], dtype=np.float64)
             for k in ("R", "B", "ctx", "median_s")
         )
+        moe = None
+        if self.config.parallel.ep_size > 1:  # the busiest rank's expert time (docs/ep.md)
+            moe = ep_load_term(self.runner, self.config.parallel.ep_size, int(b.max()))
+            s = s - moe.seconds(b.astype(np.int64))
         # The step records' ctx is the attended context summed over requests.
         try:
-            return CapacityModel(fit_additive(r, b, r * c + b, s))
+            return CapacityModel(fit_additive(r, b, r * c + b, s), moe)
         except ValueError:
             # Too few or too noisy points for the additive form (tiny models on a busy host):
             # a per-B table of medians is always fittable; the live estimator refines it.
             buckets = tuple(int(x) for x in np.unique(b))
-            return CapacityModel(fit_table(b, s, buckets))
+            return CapacityModel(fit_table(b, s, buckets), moe)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -389,6 +403,7 @@ class LLMEngine:
         accepted: dict[int, int],
     ) -> None:
         self._step_no += 1
+        per_expert = counts.tolist() if counts is not None else []
         decodes = sum(1 for s in plan.seqs if s.sample and s.num_sample_rows == s.num_new_tokens)
         prefill = sum(s.num_new_tokens for s in plan.seqs if s.num_sample_rows != s.num_new_tokens)
         p = self._last_plan if proposal is not None else None
@@ -400,7 +415,7 @@ class LLMEngine:
             num_decode_reqs=decodes,
             kv_tokens=kv_tokens,
             step_seconds=time.perf_counter() - t0,
-            routed_tokens_per_expert=tuple(counts.tolist()) if counts is not None else (),
+            routed_tokens_per_expert=tuple(per_expert),
             verify_budget_k=sum(len(s.draft_ids) for s in plan.seqs) if p else -1,
             predicted_seconds=p.predicted_seconds if p else float("nan"),
             predicted_theta=p.predicted_theta if p else float("nan"),
@@ -410,6 +425,7 @@ class LLMEngine:
                 else -1
             ),
             fallback=p.fallback if p else "",
+            routed_tokens_per_rank=_per_rank(per_expert, self.config.parallel.ep_size),
         )
         if self.planner is not None and proposal is not None:
             verified = [s for s in plan.seqs if s.seq_id in proposal.seq_ids and s.sample]
@@ -420,6 +436,12 @@ class LLMEngine:
             )
         if self.on_step is not None:
             self.on_step(rec)
+
+    def close(self) -> None:
+        """Stop what outlives the engine: expert-parallel ranks, the planner's worker thread."""
+        self.runner.close()
+        if self.planner is not None:
+            self.planner.close()
 
     def _collect(self, touched: dict[Sequence, list[int]]) -> list[RequestOutput]:
         outs = []
@@ -537,6 +559,7 @@ class LLM(LLMEngine):
             CacheConfig: {},
             SchedConfig: {},
             DraftConfig: {"path": draft_model},
+            ParallelConfig: {},
         }
         for k, v in kwargs.items():
             owner = next((c for c in groups if k in c.__dataclass_fields__), None)
@@ -550,6 +573,7 @@ class LLM(LLMEngine):
                 sched=SchedConfig(**groups[SchedConfig]),
                 draft=DraftConfig(**groups[DraftConfig]),
                 seed=seed,
+                parallel=ParallelConfig(**groups[ParallelConfig]),
             ),
             record_rounds=record_rounds,
         )

@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark_sglang.algo.capacity import Curve, ExpertParallelTerm
 from dspark_sglang.engine.batch import build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sequence import Sequence, Status
+from dspark_sglang.models.moe import SparseMoeBlock
 from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
 
 
@@ -108,3 +110,37 @@ def startup_grid(
         if r * -(-(c + t) // page_size) * page_size <= pool_tokens
     ]
     return sorted(points, key=lambda p: (p.num_reqs * (p.ctx + p.tokens_per_req), p.num_tokens))
+
+
+def expert_seconds(runner: ModelRunner, pairs: list[int], repeats: int) -> list[float]:
+    """The EP load curve: seconds of this rank's experts in one MoE layer for n routed pairs
+    spread uniformly over them (CPU time on CPU; min over repeats), times the MoE layers."""
+    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    experts = blocks[0].experts
+    gen = torch.Generator().manual_seed(0)
+    clock = time.perf_counter if runner.device.startswith("cuda") else time.thread_time
+    out = []
+    for n in pairs:
+        x = torch.randn(n, runner.arch.hidden_size, generator=gen).to(runner.device, runner.dtype)
+        ids = torch.randint(0, experts.num_experts, (n, 1), generator=gen).to(runner.device)
+        w = torch.ones(n, 1, dtype=runner.dtype, device=runner.device)
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                t0 = clock()
+                experts(x, ids, w)
+                _sync(runner.device)
+                times.append(clock() - t0)
+        out.append(min(times[1:]) * len(blocks))
+    return out
+
+
+def ep_load_term(runner: ModelRunner, ep_size: int, max_tokens: int) -> ExpertParallelTerm:
+    """The capacity model's EP term (docs/capacity.md §2) with a measured load curve up to
+    max_tokens·top_k pairs per layer and uniform popularity (the live estimator refines it)."""
+    arch = runner.arch
+    top = max(1, max_tokens * arch.num_experts_per_tok)
+    pairs = [0, *np.unique(np.geomspace(1, top, 12).astype(int)).tolist()]
+    secs = expert_seconds(runner, pairs, repeats=5)
+    curve = Curve(tuple(float(p) for p in pairs), tuple(np.maximum.accumulate(secs).tolist()))
+    return ExpertParallelTerm(arch.num_experts, arch.num_experts_per_tok, ep_size, curve)

@@ -17,6 +17,7 @@ from dspark_sglang.engine.speculative import DraftBatch, Proposal
 from dspark_sglang.models.attention import ForwardContext, forward_context
 from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
+from dspark_sglang.models.moe import ExpertParallel
 
 
 @dataclass
@@ -27,8 +28,14 @@ class RunOutput:
 
 
 class ModelRunner:
+    """`ep`: this process is one expert-parallel rank (engine/ep.py drives the others)."""
+
     def __init__(
-        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, draft_cfg: DraftConfig | None = None
+        self,
+        model_cfg: ModelConfig,
+        cache_cfg: CacheConfig,
+        draft_cfg: DraftConfig | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         if model_cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {model_cfg.device} requested but CUDA is not available")
@@ -41,8 +48,14 @@ class ModelRunner:
             draft_arch = read_draft_arch(draft_cfg.path)
             draft_arch.check_target(self.arch)
             taps = draft_arch.target_layer_ids
+        self.ep = ep
         self.model = load_target(
-            model_cfg.path, model_cfg.dtype, model_cfg.device, taps, model_cfg.attention_backend
+            model_cfg.path,
+            model_cfg.dtype,
+            model_cfg.device,
+            taps,
+            model_cfg.attention_backend,
+            ep,
         )
         self.drafter: DSparkDrafter | None = (
             load_drafter(draft_cfg.path, self.model) if draft_arch is not None else None
@@ -78,8 +91,13 @@ class ModelRunner:
         ctx = ForwardContext(batch.attn, self.kv, tap_rows=tap_rows, expert_counts=counts)
         with forward_context(ctx):
             hidden, taps = self.model(batch.input_ids, batch.positions)
+        if self.ep is not None and counts is not None:  # each rank counted its own token shard
+            self.ep.all_reduce(counts)
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         return RunOutput(logits, taps, counts)
+
+    def close(self) -> None:
+        """Release what outlives the object (expert-parallel ranks); nothing on one rank."""
 
     @torch.inference_mode()
     def extend_draft_context(

@@ -15,9 +15,11 @@ from safetensors import safe_open
 from dspark_sglang.config import ArchConfig, ConfigError, DraftArch
 from dspark_sglang.models.attention import create_backend
 from dspark_sglang.models.drafter import DSparkDrafter
+from dspark_sglang.models.moe import ExpertParallel
 from dspark_sglang.models.target import Qwen3ForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -26,10 +28,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def build_target(
-    cfg: ArchConfig, dtype: str, device: str, tap_layer_ids: tuple[int, ...], backend: str
+    cfg: ArchConfig,
+    dtype: str,
+    device: str,
+    tap_layer_ids: tuple[int, ...],
+    backend: str,
+    ep: ExpertParallel | None = None,
 ) -> Qwen3ForCausalLM:
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg, create_backend(backend), tap_layer_ids)
+        model = Qwen3ForCausalLM(cfg, create_backend(backend), tap_layer_ids, ep)
     model = model.to_empty(device=device).to(torch_dtype(dtype))
     if cfg.tie_word_embeddings:  # to_empty breaks the parameter sharing; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -84,10 +91,15 @@ def fuse_experts(sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, tor
     return out
 
 
-def load_weights(model: Qwen3ForCausalLM, sd: dict[str, torch.Tensor]) -> None:
+def load_weights(
+    model: Qwen3ForCausalLM, sd: dict[str, torch.Tensor], ep: ExpertParallel | None = None
+) -> None:
     cfg = model.cfg
     if cfg.is_moe:
         sd = fuse_experts(sd, cfg.num_experts)
+    if ep is not None:  # keep this rank's contiguous block of every layer's experts
+        lo, hi = ep.expert_range(cfg.num_experts)
+        sd = {k: v[lo:hi] if k.endswith(_FUSED) else v for k, v in sd.items()}
     params = dict(model.named_parameters(remove_duplicate=False))
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # tied: the embedding is the head
@@ -121,11 +133,12 @@ def load_target(
     device: str = "cpu",
     tap_layer_ids: tuple[int, ...] = (),
     backend: str = "torch_sdpa",
+    ep: ExpertParallel | None = None,
 ) -> Qwen3ForCausalLM:
     p = Path(path)
     cfg = ArchConfig.from_model_path(p)
-    model = build_target(cfg, dtype, device, tap_layer_ids, backend)
-    load_weights(model, read_state_dict(p))
+    model = build_target(cfg, dtype, device, tap_layer_ids, backend, ep)
+    load_weights(model, read_state_dict(p), ep)
     return model
 
 

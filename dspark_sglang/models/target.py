@@ -13,17 +13,23 @@ from torch import nn
 from dspark_sglang.config import ArchConfig, ConfigError
 from dspark_sglang.models.attention import Qwen3Attention, TorchSDPABackend, current_context
 from dspark_sglang.models.layers import GatedMLP, RMSNorm
-from dspark_sglang.models.moe import SparseMoeBlock
+from dspark_sglang.models.moe import ExpertParallel, SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_id: int, backend: TorchSDPABackend) -> None:
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        layer_id: int,
+        backend: TorchSDPABackend,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen3Attention(cfg, layer_id, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (
-            SparseMoeBlock(cfg)
+            SparseMoeBlock(cfg, ep)
             if cfg.is_moe_layer(layer_id)
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         )
@@ -34,20 +40,27 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: TorchSDPABackend) -> None:
+    def __init__(
+        self, cfg: ArchConfig, backend: TorchSDPABackend, ep: ExpertParallel | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, backend, ep) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Serves both architectures; `cfg.is_moe_layer` decides each layer's MLP."""
+    """Serves both architectures; `cfg.is_moe_layer` decides each layer's MLP. With `ep` the MoE
+    layers hold only this rank's experts and exchange tokens with the other ranks."""
 
     def __init__(
-        self, cfg: ArchConfig, backend: TorchSDPABackend, tap_layer_ids: tuple[int, ...] = ()
+        self,
+        cfg: ArchConfig,
+        backend: TorchSDPABackend,
+        tap_layer_ids: tuple[int, ...] = (),
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         for lid in tap_layer_ids:
@@ -57,7 +70,7 @@ class Qwen3ForCausalLM(nn.Module):
                 )
         self.cfg = cfg
         self.tap_layer_ids = tap_layer_ids
-        self.model = Qwen3Model(cfg, backend)
+        self.model = Qwen3Model(cfg, backend, ep)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

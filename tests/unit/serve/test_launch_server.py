@@ -19,7 +19,7 @@ def model(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--engine", "sglang"], "--engine sglang is not available yet"),
+        (["--engine", "sglang", "--schedule-mode", "sync"], "not supported with --engine sglang"),
         (["--capacity-profile", "x.yaml"], "--capacity-profile x.yaml does not exist"),
         (["--ep-size", "2"], "--ep-size"),
         (["--model-path", "/nonexistent"], "--model-path /nonexistent"),
