@@ -73,6 +73,10 @@ class Cluster:
             "0.25",
             "--heartbeat-timeout",
             "2",
+            # Seeded parity with the offline engine needs a verify-length policy that does not
+            # read measured step times; the lagged default is covered by its own test.
+            "--schedule-mode",
+            "verify-all",
             *extra,
         ]
         self.procs: dict[str, subprocess.Popen] = {}

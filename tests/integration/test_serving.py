@@ -232,3 +232,19 @@ def test_client_disconnect_frees_kv(cluster: Cluster) -> None:
     while not _pool_full(cluster):
         assert time.monotonic() < deadline, "KV not freed after a non-streaming disconnect"
         time.sleep(0.2)
+
+
+def test_default_lagged_scheduler_serves_greedy_identically(model_pair: tuple[Path, Path]) -> None:
+    """The serving default (lagged top-K with a start-up capacity profile) stays lossless:
+    greedy text over PD equals plain (non-speculative) decoding of the same target."""
+    target, _ = model_pair
+    prompts = ["hello world", "The quick brown fox"]
+    want = LLM(str(target)).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    c = Cluster(model_pair, extra=("--schedule-mode", "lagged", "--startup-profile-seconds", "2"))
+    try:
+        c.start_all()
+        for p, w in zip(prompts, want, strict=True):
+            r = post(c, "/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0})
+            assert r.json()["choices"][0]["text"] == w.text
+    finally:
+        c.stop()
