@@ -197,6 +197,8 @@ class Scheduler:
         """A stop string ended the text at output token `keep`: drop later tokens, finish."""
         del seq.output_ids[keep:]
         if seq.is_finished:
+            if seq.finish_reason is FinishReason.HANDOFF:  # its KV was kept for an export
+                self.pool.release(seq.block_table)
             seq.finish_reason = FinishReason.STOP  # a stop string outranks the length limit
         else:
             self.finish(seq, FinishReason.STOP)

@@ -22,11 +22,12 @@ from typing import Any, Literal
 
 import jinja2
 import prometheus_client as prom
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from dspark_sglang.chat_template import render_chat
@@ -37,6 +38,7 @@ from dspark_sglang.types import SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
+RETRY_BACKOFF_S = 0.25  # x attempt: a worker that just joined may not have every ZMQ link up
 
 
 class ApiError(Exception):
@@ -91,12 +93,14 @@ class Router:
         self.active: set[Job] = set()
         self._uid = secrets.randbits(40) << 20  # a restarted router never reuses a live uid
         self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     @property
     def ready(self) -> bool:
         return any(w.accepted for w in self.prefill) and any(w.accepted for w in self.decode)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         threading.Thread(target=self._recv_loop, args=(loop,), daemon=True).start()
         loop.create_task(self._liveness_loop())
 
@@ -165,6 +169,8 @@ class Router:
                 w.sender.send(m.encode(m.Abort(job.uid)))
 
     def _end(self, job: Job, delta: m.Delta) -> None:
+        if delta.error is not None:  # (a finished one was counted by observe_request)
+            self.metrics.requests.labels("error").inc()
         job.done = True
         self.active.discard(job)
         job.events.put_nowait(delta)
@@ -175,17 +181,28 @@ class Router:
 
     def _retry(self, job: Job, reason: str) -> None:
         self._forget(job, abort=True)
-        if job.attempts <= self.cfg.max_retries and self._dispatch(job):
+        if job.attempts > self.cfg.max_retries:
+            self._end(job, m.Delta(job.uid, [], "", True, error=reason, status=503))
+        else:  # not at once: "decode unreachable" right after a (re)join heals in ~0.1 s
+            assert self._loop is not None
+            self._loop.call_later(RETRY_BACKOFF_S * job.attempts, self._redispatch, job, reason)
+
+    def _redispatch(self, job: Job, reason: str) -> None:
+        if job.done:  # the client left or timed out during the backoff
+            return
+        if self._dispatch(job):
             self.metrics.retries.inc()
             log.info("retrying request after: %s", reason)
         else:
             self._end(job, m.Delta(job.uid, [], "", True, error=reason, status=503))
 
-    def release(self, job: Job) -> None:
-        """The HTTP side is done with the job (finished, disconnected, timed out)."""
+    def release(self, job: Job, outcome: str = "disconnected") -> None:
+        """The HTTP side is done with the job. One that has not ended yet ends here, counted as
+        `outcome` (the client left, or it timed out): every admitted request is counted once."""
         if not job.done:
             self._forget(job, abort=True)
             job.done = True
+            self.metrics.requests.labels(outcome).inc()
         self.active.discard(job)
 
     def _fail_worker(self, w: Worker, reason: str) -> None:
@@ -422,8 +439,14 @@ class Api:
                 f"max_tokens must be >= 1 and {need} must fit the context length {self.max_len}",
             )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        for s in stop:
+            _unicode(s, "stop")
         same = body.model_dump(include={"temperature", "top_p", "top_k", "ignore_eos"})
+        if same["top_k"] >= self.vocab:  # keeps every token: no filter (and no int64 overflow)
+            same["top_k"] = 0
         ids = tuple(body.stop_token_ids)
+        if any(not 0 <= t < self.vocab for t in ids):
+            raise ApiError(400, f"stop_token_ids must be in [0, {self.vocab})")
         # Seed every request here: workers of one config would otherwise draw equal seeds, and
         # a retried request replays the same random stream.
         seed = secrets.randbits(62) if body.seed is None else body.seed
@@ -437,7 +460,7 @@ class Api:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "the model folder has no tokenizer.json; send token ids")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(_unicode(text, "prompt"), add_special_tokens=False).ids
 
     def completion_job(self, body: CompletionBody) -> Job:
         p = body.prompt
@@ -471,33 +494,40 @@ class Api:
             if now >= check:
                 check = now + 1.0
                 if await request.is_disconnected():
-                    self.metrics.requests.labels("disconnected").inc()
-                    return
+                    return  # the caller's release() counts it
             try:
                 d = await asyncio.wait_for(job.events.get(), max(0, min(check, deadline) - now))
             except TimeoutError:
                 if time.monotonic() >= deadline:
-                    self.metrics.requests.labels("timeout").inc()
+                    self.router.release(job, "timeout")
                     yield m.Delta(job.uid, [], "", True, error="request timed out", status=504)
                     return
                 continue
-            if d.error is not None:
-                self.metrics.requests.labels("error").inc()
             yield d
             if d.finished:
                 return
 
 
+def _unicode(text: str, what: str) -> str:
+    # JSON escapes can carry lone surrogates, which no tokenizer or UTF-8 encoder accepts.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{what} has a lone surrogate at position {e.start}") from None
+    return text
+
+
 def _err(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
+    message = message.encode("utf-8", "backslashreplace").decode()  # it may quote the input
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     body = {"error": {"message": message, "type": kind, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Guard:
-    """API key on every route but /health, and a body-size cap. Plain ASGI, not
-    BaseHTTPMiddleware, which would hide client disconnects from the endpoints."""
+    """API key on every route but /health, and a body-size cap (declared or streamed). Plain
+    ASGI, not BaseHTTPMiddleware, which would hide client disconnects from the endpoints."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app, self.key = app, api_key
@@ -516,7 +546,23 @@ class _Guard:
             size = h.get(b"content-length", b"")
             if size.isdigit() and int(size) > MAX_BODY_BYTES:
                 return await _err(413, f"body over {MAX_BODY_BYTES} bytes")(scope, receive, send)
+            receive = _capped(receive)
         await self.app(scope, receive, send)
+
+
+def _capped(receive: Any) -> Any:
+    """`receive` that stops a body without Content-Length (chunked) at MAX_BODY_BYTES."""
+    seen = 0
+
+    async def capped() -> dict:
+        nonlocal seen
+        msg = await receive()
+        seen += len(msg.get("body", b""))
+        if seen > MAX_BODY_BYTES:  # FastAPI re-raises an HTTPException from the body read
+            raise HTTPException(413, f"body over {MAX_BODY_BYTES} bytes")
+        return msg
+
+    return capped
 
 
 def create_app(cfg: Config) -> FastAPI:
@@ -535,6 +581,13 @@ def create_app(cfg: Config) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return _err(e.status, e.message, e.retry_after)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # 404, 405, 413 and unparseable bodies get the same error shape as everything else.
+        r = _err(e.status_code, str(e.detail))
+        r.headers.update(e.headers or {})
+        return r
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:

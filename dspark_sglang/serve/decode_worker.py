@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -11,9 +12,10 @@ from dspark_sglang.config import Config, ConfigError
 from dspark_sglang.engine.detokenizer import stop_holdback
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.serve import messages as m
-from dspark_sglang.serve.kv_handoff import unpack
+from dspark_sglang.serve.kv_handoff import check, unpack
 from dspark_sglang.serve.worker import WorkerLink
 
+log = logging.getLogger(__name__)
 MAX_GONE = 4096  # remembered aborted uids, so a handoff that crosses its abort is dropped
 
 
@@ -41,10 +43,18 @@ def run(cfg: Config, index: int) -> None:
         out: list[m.Delta] = []
         for msg, frames in link.poll(busy=engine.has_unfinished() or bool(pending)):
             if isinstance(msg, m.Handoff) and msg.uid not in gone and msg.uid not in seq_of:
+                try:
+                    h = unpack(msg, frames)
+                    check(h, engine.runner.arch.vocab_size, str(engine.runner.device))
+                except ConfigError as e:
+                    log.warning("%s dropped a bad handoff (uid %d): %s", link.name, msg.uid, e)
+                    err = f"bad handoff: {e}"
+                    out.append(m.Delta(msg.uid, [], "", True, error=err, status=500))
+                    continue
                 # The first token goes out now: TTFT does not wait for a free KV slot.
                 text, emitted = _visible(msg.first_text, msg.params.stop, 0, False)
                 out.append(m.Delta(msg.uid, [msg.first_token], text, num_output=1))
-                pending.append((msg.uid, unpack(msg, frames), emitted))
+                pending.append((msg.uid, h, emitted))
             elif isinstance(msg, m.Abort):
                 gone[msg.uid] = None
                 if len(gone) > MAX_GONE:

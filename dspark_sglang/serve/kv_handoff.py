@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from dspark_sglang.config import ArchConfig, DraftArch
+from dspark_sglang.config import ArchConfig, ConfigError, DraftArch
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.serve.messages import Handoff, TensorMeta
 
@@ -36,6 +36,8 @@ def pack(uid: int, h: SeqHandoff, first_text: str) -> tuple[Handoff, list[memory
 
 
 def unpack(msg: Handoff, frames: list[memoryview | bytes]) -> SeqHandoff:
+    if len(msg.tensors) not in (2, 3):
+        raise ConfigError(f"handoff has {len(msg.tensors)} tensors, expected kv, rng[, ctx]")
     ts = [_tensor(m, f) for m, f in zip(msg.tensors, frames, strict=True)]
     return SeqHandoff(
         prompt_ids=msg.prompt_ids,
@@ -45,6 +47,22 @@ def unpack(msg: Handoff, frames: list[memoryview | bytes]) -> SeqHandoff:
         rng_state=ts[1],
         draft_ctx=ts[2] if len(ts) > 2 else None,
     )
+
+
+def check(h: SeqHandoff, vocab: int, device: str) -> None:
+    """What adoption needs beyond SeqHandoff.validate's shapes, checked before the engine
+    touches its KV: a prompt, token ids in the vocabulary, this device's RNG state size."""
+    if not h.prompt_ids:
+        raise ConfigError("handoff has an empty prompt")
+    if any(not 0 <= t < vocab for t in (*h.prompt_ids, h.first_token)):
+        raise ConfigError(f"handoff token ids out of range [0, {vocab})")
+    for name, t in (("kv", h.kv), ("draft_ctx", h.draft_ctx)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise ConfigError(f"handoff {name} has dtype {t.dtype}, expected a float type")
+    want = torch.Generator(device=device).get_state()
+    if h.rng_state.dtype != want.dtype or h.rng_state.shape != want.shape:
+        got = (h.rng_state.dtype, tuple(h.rng_state.shape))
+        raise ConfigError(f"handoff rng_state is {got}, expected {(want.dtype, tuple(want.shape))}")
 
 
 def bytes_per_token(arch: ArchConfig, draft: DraftArch | None, itemsize: int) -> dict[str, int]:

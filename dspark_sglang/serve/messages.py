@@ -139,6 +139,9 @@ def decode(frames: list[memoryview | bytes]) -> tuple[Message, list[memoryview |
         msg = _decoder.decode(frames[0])
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise BadMessage(f"undecodable header: {e}") from None
+    if isinstance(msg, Request | Handoff) and msg.params.top_k >= 2**63:
+        # SamplingParams bounds top_k below only; the sampler packs it into an int64 tensor.
+        raise BadMessage(f"top_k {msg.params.top_k} does not fit int64")
     metas = msg.tensors if isinstance(msg, Handoff) else []
     rest = frames[1:]
     if len(rest) != len(metas):

@@ -4,6 +4,7 @@ the decode worker the router chose; a request that ends at its first token answe
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from dspark_sglang.config import Config, ConfigError
@@ -11,6 +12,8 @@ from dspark_sglang.serve import messages as m
 from dspark_sglang.serve.kv_handoff import pack
 from dspark_sglang.serve.transport import Sender
 from dspark_sglang.serve.worker import WorkerLink
+
+log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, index: int) -> None:
@@ -26,6 +29,9 @@ def run(cfg: Config, index: int) -> None:
         out: list[m.Delta] = []
         for msg, _ in link.poll(busy=engine.has_unfinished()):
             if isinstance(msg, m.Request):
+                if msg.uid in seq_of:  # a duplicate (e.g. replayed) request: keep the first
+                    log.warning("%s dropped a duplicate request (uid %d)", link.name, msg.uid)
+                    continue
                 try:
                     if not 0 <= msg.decode < len(decodes):
                         raise ConfigError(f"no decode worker {msg.decode}")
