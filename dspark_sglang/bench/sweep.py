@@ -1,0 +1,384 @@
+"""`python -m dspark_sglang.bench.sweep`: Pareto sweeps of the live CPU deployment (Figs. 7-8).
+
+Starts `launch_server --role all` once per policy, drives it with `bench.serving` at each
+concurrency, and writes CSV + PNG + JSON under docs/results/ with the goal ratios printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dspark_sglang.bench import serving
+from dspark_sglang.bench.pareto import (
+    frontier,
+    matched_speedups,
+    plot_load,
+    plot_pareto,
+    throughput_at_sla,
+    write_csv,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ("no-spec", "mtp1", "fixed:3", "verify-all", "sync", "lagged")
+CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+QUICK = {"policies": ("no-spec", "fixed:3", "lagged"), "concurrency": (1, 4, 16)}
+FIXED = ("mtp1", "verify-all")  # plus every fixed:N
+
+
+def server_command(args: argparse.Namespace, policy: str) -> list[str]:
+    cmd = [sys.executable, "-m", "dspark_sglang.launch_server", "--role", "all"]
+    cmd += ["--host", "127.0.0.1", "--port", str(args.port), "--zmq-port", str(args.zmq_port)]
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    if policy == "no-spec":
+        cmd += ["--speculative-algorithm", "none"]
+    else:
+        if args.draft_model_path:
+            cmd += ["--draft-model-path", args.draft_model_path]
+        cmd += ["--schedule-mode", policy]
+        if policy.split(":")[0] in ("lagged", "sync"):
+            if args.capacity_profile:
+                cmd += ["--capacity-profile", args.capacity_profile]
+            else:
+                cmd += ["--startup-profile-seconds", str(args.startup_profile_seconds)]
+    cmd += ["--max-running-requests", str(max(args.concurrency))]
+    return cmd + shlex.split(args.server_args)
+
+
+class Server:
+    """One `--role all` deployment in its own process group; SIGTERM on exit."""
+
+    def __init__(self, cmd: list[str], url: str, log_path: Path, timeout: float) -> None:
+        self.cmd, self.url, self.log_path, self.timeout = cmd, url, log_path, timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Server:
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.log = self.log_path.open("ab")
+        self.log.write(f"\n$ {shlex.join(self.cmd)}\n".encode())
+        self.log.flush()
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log_path}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"server not ready after {self.timeout:.0f}s; see {self.log_path}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def bench_args(args: argparse.Namespace, policy: str, c: int) -> argparse.Namespace:
+    n = max(args.prompts_per_concurrency * c, args.min_prompts)
+    argv = [
+        "--base-url", f"http://127.0.0.1:{args.port}",
+        "--num-prompts", str(n),
+        "--max-concurrency", str(c),
+        "--output-len", str(args.output_len),
+        "--temperature", str(args.temperature),
+        "--warmup-requests", str(args.warmup_requests),
+        "--seed", str(args.seed),
+        "--disable-tqdm",
+        "--metadata", f"policy={policy}", f"concurrency={c}",
+    ]  # fmt: skip
+    if args.dataset_path:
+        argv += ["--dataset-path", str(args.dataset_path), "--backend", "oai-chat"]
+    if args.ignore_eos:
+        argv.append("--ignore-eos")
+    if args.slo:
+        argv += ["--slo", *args.slo]
+    return serving.parse_args(argv)
+
+
+def analyse(rows: list[dict[str, Any]], policies: Sequence[str], sla: Sequence[float]) -> dict:
+    """Goal ratios of issue 9 from one sweep's rows."""
+    by = {(r["policy"], r["concurrency"]): r for r in rows}
+    concs = sorted({r["concurrency"] for r in rows})
+    pts = {
+        p: [(r["mean_tps_per_user"], r["output_throughput"]) for r in rows if r["policy"] == p]
+        for p in policies
+    }
+    fronts = {p: frontier(v) for p, v in pts.items() if v}
+    out: dict[str, Any] = {"per_concurrency": []}
+    for c in concs:
+        lag = by.get(("lagged", c))
+        rivals = [
+            by[(p, c)]
+            for p in policies
+            if (p, c) in by and (p == "no-spec" or p in FIXED or p.startswith("fixed:"))
+        ]
+        if lag is None or not rivals:
+            continue
+        best = max(rivals, key=lambda r: r["output_throughput"])
+        ratio = lag["output_throughput"] / best["output_throughput"]
+        out["per_concurrency"].append(
+            {
+                "concurrency": c,
+                "lagged": lag["output_throughput"],
+                "best_rival": best["policy"],
+                "best_rival_throughput": best["output_throughput"],
+                "ratio": ratio,
+                "pass": ratio >= 0.97,
+                "lagged_budget": lag.get("verify_tokens_per_request"),
+            }
+        )
+    if out["per_concurrency"]:
+        out["lagged_ge_best_minus_3pct_every_c"] = all(x["pass"] for x in out["per_concurrency"])
+    if "no-spec" in fronts:
+        for p in policies:
+            if p != "no-spec" and p in fronts:
+                m = matched_speedups(fronts["no-spec"], fronts[p])
+                out.setdefault("matched_throughput_speedup_vs_nospec", {})[p] = m
+        m = out.get("matched_throughput_speedup_vs_nospec", {}).get("lagged")
+        if m:
+            out["lagged_matched_speedup_min"] = min(x["speedup"] for x in m)
+            out["lagged_matched_speedup_max"] = max(x["speedup"] for x in m)
+            out["lagged_matched_speedup_ge_1.6"] = min(x["speedup"] for x in m) >= 1.6
+    anchors: dict[str, Any] = {}
+    for a in sla:
+        anchors[str(a)] = {p: throughput_at_sla(f, a) for p, f in fronts.items()}
+    out["throughput_at_sla"] = anchors
+    return out
+
+
+def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dict) -> None:
+    concs = sorted({r["concurrency"] for r in rows})
+    by = {(r["policy"], r["concurrency"]): r for r in rows}
+    print("\noutput tok/s (per-user tok/s) [verify tokens/req]")
+    print(f"{'policy':<12s}" + "".join(f"{'c=' + str(c):>22s}" for c in concs))
+    for p in policies:
+        line = f"{p:<12s}"
+        for c in concs:
+            r = by.get((p, c))
+            b = r.get("verify_tokens_per_request") if r else None
+            line += (
+                f"{r['output_throughput']:9.1f} ({r['mean_tps_per_user']:5.1f}) "
+                f"[{'-' if b is None else f'{b:.1f}'}]"
+                if r
+                else f"{'-':>22s}"
+            )
+        print(line)
+    print("\nlagged vs max(no-spec, fixed policies) per concurrency:")
+    for x in goals["per_concurrency"]:
+        print(
+            f"  c={x['concurrency']:<3d} lagged {x['lagged']:8.1f}  best {x['best_rival']:<10s} "
+            f"{x['best_rival_throughput']:8.1f}  ratio {x['ratio']:.3f} "
+            f"{'PASS' if x['pass'] else 'MISS'}"
+        )
+    for p, m in goals.get("matched_throughput_speedup_vs_nospec", {}).items():
+        s = ", ".join(f"{x['throughput']:.0f} tok/s: {x['speedup']:.2f}x" for x in m)
+        print(f"per-user speed-up vs no-spec at matched throughput, {p}: {s or '-'}")
+    for a, d in goals["throughput_at_sla"].items():
+        s = ", ".join(f"{p} {'-' if v is None else f'{v:.0f}'}" for p, v in d.items())
+        print(f"throughput at SLA {a} tok/s/user: {s}")
+
+
+def run_policy(
+    args: argparse.Namespace, policy: str, pass_no: int, jsonl: Path, log_path: Path
+) -> list[dict[str, Any]]:
+    cmd = server_command(args, policy)
+    print(f"== pass {pass_no} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    out = []
+    with Server(cmd, f"http://127.0.0.1:{args.port}", log_path, args.ready_timeout):
+        for c in args.concurrency:
+            rec = serving.run(bench_args(args, policy, c))
+            rec |= {"policy": policy, "concurrency": c, "pass": pass_no}
+            out.append(rec)
+            with jsonl.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            budget = rec.get("verify_tokens_per_request") or float("nan")
+            print(
+                f"   c={c:<3d} {rec['output_throughput']:8.1f} tok/s  "
+                f"{rec['mean_tps_per_user']:6.1f} tok/s/user  accept {rec['accept_length']:.2f}"
+                f"  budget {budget:.2f}  failed {rec['failed']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return out
+
+
+MEDIAN_KEYS = (
+    "output_throughput",
+    "mean_tps_per_user",
+    "median_tps_per_user",
+    "accept_length",
+    "verify_tokens_per_request",
+    "mean_verify_budget_k",
+    "mean_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "request_goodput",
+    "server_step_ms",
+)
+
+
+def aggregate(raw: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (policy, c): the median over passes of the headline keys, the pass count and
+    the per-pass throughputs (their spread is the machine's noise)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in raw:
+        groups.setdefault((r["policy"], r["concurrency"]), []).append(r)
+    out = []
+    for (p, c), rs in groups.items():
+        row: dict[str, Any] = {"policy": p, "concurrency": c, "passes": len(rs)}
+        for k in MEDIAN_KEYS:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            row[k] = float(statistics.median(vals)) if vals else None
+        row["output_throughput_passes"] = ";".join(f"{r['output_throughput']:.1f}" for r in rs)
+        row["failed"] = sum(r.get("failed", 0) for r in rs)
+        out.append(row)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m dspark_sglang.bench.sweep",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model-path", help="target (default: the bundled tiny model)")
+    ap.add_argument("--draft-model-path", help="drafter (default: the bundled DSpark drafter)")
+    ap.add_argument(
+        "--policies",
+        type=lambda s: tuple(s.split(",")),
+        default=None,
+        help=f"default {','.join(POLICIES)}",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=None,
+        help=f"default {','.join(map(str, CONCURRENCY))}",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke: {QUICK['policies']} at c={QUICK['concurrency']}, few prompts",
+    )
+    ap.add_argument("--prompts-per-concurrency", type=int, default=3)
+    ap.add_argument("--min-prompts", type=int, default=12)
+    ap.add_argument("--warmup-requests", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--dataset-path", type=Path, help="jsonl turns (sent as chat)")
+    ap.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS")
+    ap.add_argument(
+        "--sla",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        default=(20.0, 40.0),
+        help="per-user tok/s anchors",
+    )
+    ap.add_argument("--capacity-profile", help="engine profile for lagged/sync (else start-up)")
+    ap.add_argument("--startup-profile-seconds", type=float, default=20.0)
+    ap.add_argument("--server-args", default="", help="extra launch_server flags")
+    ap.add_argument("--port", type=int, default=30400)
+    ap.add_argument("--zmq-port", type=int, default=30500)
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--name", default="sweep")
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="repeat the sweep (odd passes run the policies in reverse); per-point medians",
+    )
+    ap.add_argument(
+        "--append", action="store_true", help="add passes to OUT_DIR/NAME.jsonl, keep the old"
+    )
+    ap.add_argument(
+        "--replot", action="store_true", help="only re-analyse and re-plot OUT_DIR/NAME.jsonl"
+    )
+    return ap  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.policies = args.policies or QUICK["policies"]
+        args.concurrency = args.concurrency or QUICK["concurrency"]
+        args.min_prompts = min(args.min_prompts, 6)
+        args.prompts_per_concurrency = min(args.prompts_per_concurrency, 2)
+        args.output_len = min(args.output_len, 64)
+    args.policies = args.policies or POLICIES
+    args.concurrency = args.concurrency or CONCURRENCY
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out_dir / f"{args.name}.jsonl"
+    old: list[dict[str, Any]] = []
+    if (args.replot or args.append) and jsonl.is_file():
+        old = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
+    raw = list(old)
+    if not args.replot:
+        log_path = args.out_dir / f"{args.name}_server.log"
+        if not args.append:
+            jsonl.write_text("")
+            log_path.write_text("")
+        first = 1 + max((r.get("pass", 0) for r in old), default=-1)
+        for k in range(first, first + args.passes):
+            # Odd passes run the policies in reverse, so machine drift does not favour one.
+            order = list(args.policies)[:: -1 if k % 2 else 1]
+            for policy in order:
+                raw += run_policy(args, policy, k, jsonl, log_path)
+    rows = aggregate(raw)
+    policies = [p for p in args.policies if any(r["policy"] == p for r in rows)]
+    goals = analyse(rows, policies, args.sla)
+    write_csv(args.out_dir / f"{args.name}.csv", rows)
+    series = {
+        p: [(r["mean_tps_per_user"], r["output_throughput"]) for r in rows if r["policy"] == p]
+        for p in policies
+    }
+    model = Path(args.model_path).name if args.model_path else "bundled tiny-moe"
+    title = f"CPU engine, {model}, PD --role all"
+    plot_pareto(args.out_dir / f"{args.name}_pareto.png", series, f"Fig. 7 shape: {title}",
+                anchors=args.sla)  # fmt: skip
+    plot_load(args.out_dir / f"{args.name}_load.png", rows, policies, f"Fig. 8 shape: {title}")
+    summary = {
+        "tool": "dspark_sglang.bench.sweep",
+        "command": shlex.join(["python", "-m", "dspark_sglang.bench.sweep", *argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "policies": policies,
+        "concurrency": sorted({r["concurrency"] for r in rows}),
+        "passes": max((r["passes"] for r in rows), default=0),
+        "goals": goals,
+    }
+    (args.out_dir / f"{args.name}_summary.json").write_text(json.dumps(summary, indent=1))
+    print_report(rows, policies, goals)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""bench.simulate / bench.des: determinism, closed forms on trivial profiles, Pareto helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_sglang.algo.capacity import AdditiveModel, CapacityModel, Curve
+from dspark_sglang.bench import simulate
+from dspark_sglang.bench.des import (
+    PAPER_ACCEPTANCE,
+    CostModel,
+    Linear,
+    SimConfig,
+    SyntheticSpec,
+    TraceBank,
+    Trajectory,
+    Workload,
+    run_point,
+    synthetic_bank,
+)
+from dspark_sglang.bench.pareto import (
+    frontier,
+    matched_speedups,
+    throughput_at_sla,
+    tps_at_throughput,
+)
+
+STEP = 0.01  # seconds: the trivial profile's constant step time
+
+
+def flat(step: float = STEP) -> CapacityModel:
+    one = Curve((1.0,), (0.0,))
+    return CapacityModel(AdditiveModel(bias_s=step, alpha=one, theta=one))
+
+
+def bernoulli_bank(p: float, gamma: int, seed: int = 0, rounds: int = 4000) -> TraceBank:
+    """i.i.d. per-position acceptance p; confidences equal to p (no information)."""
+    rng = np.random.default_rng(seed)
+    hits = rng.random((8, rounds, gamma)) < p
+    acc = np.cumprod(hits, axis=2).sum(axis=2)
+    return TraceBank(
+        gamma, tuple(Trajectory(np.full((rounds, gamma), p), a) for a in acc), "bernoulli"
+    )
+
+
+def test_closed_form_no_spec_and_deterministic_acceptance() -> None:
+    """Constant step T; PD: the prefill side takes T(1, prompt) = T and emits the first token;
+    c users in a closed loop. A request of M tokens cycles in T + (M-1)/k·T when every decode
+    step commits k tokens: no-spec k = 1, verify-all with every draft accepted k = γ+1."""
+    gamma, c, rounds = 4, 8, 10
+    m = 1 + rounds * (gamma + 1)
+    sure = TraceBank(gamma, (Trajectory(np.ones((3, gamma)), np.full(3, gamma)),))
+    wl = Workload(prompt_lens=(16,), output_lens=(m,))
+    cfg = SimConfig(c, 5 * c, seed=1)
+    cost = CostModel(flat())
+    ns = run_point(cost, "no-spec", sure, wl, cfg)
+    assert ns.output_throughput == pytest.approx(c * m / (STEP * m), rel=1e-9)
+    assert ns.mean_tps_per_user == pytest.approx(1 / STEP, rel=1e-9)
+    assert ns.accept_length == 1.0
+    va = run_point(cost, "verify-all", sure, wl, cfg)
+    assert va.output_throughput == pytest.approx(c * m / (STEP * (1 + rounds)), rel=1e-9)
+    assert va.mean_tps_per_user == pytest.approx((gamma + 1) / STEP, rel=1e-9)
+    assert va.accept_length == pytest.approx(gamma + 1)
+    assert va.verify_tokens_per_request == pytest.approx(gamma + 1)
+    assert va.mean_step_ms == pytest.approx(STEP * 1e3)
+    assert va.mean_ttft_ms == pytest.approx(STEP * 1e3)
+    mtp = run_point(cost, "mtp1", sure, wl, cfg)  # k = 2: (M-1)/2 = 25 steps
+    assert mtp.output_throughput == pytest.approx(c * m / (STEP * (1 + (m - 1) / 2)), rel=1e-9)
+
+
+def test_closed_form_bernoulli_acceptance() -> None:
+    """i.i.d. acceptance p: E[tokens per round] = 1 + p + ... + p^γ (drafter costs 0)."""
+    gamma, p, c = 5, 0.8, 16
+    bank = bernoulli_bank(p, gamma)
+    expect = 1 + sum(p**k for k in range(1, gamma + 1))
+    wl = Workload(prompt_lens=(32,), output_lens=(2000,))
+    res = run_point(CostModel(flat()), "verify-all", bank, wl, SimConfig(c, 3 * c, seed=2))
+    assert res.accept_length == pytest.approx(expect, rel=0.02)
+    assert res.output_throughput == pytest.approx(c * expect / STEP, rel=0.03)
+
+
+def test_closed_form_overhead_and_little() -> None:
+    """Step = T + a + b·R + drafter: per-user rate and Little's law (c = req/s · E2E)."""
+    gamma, c, rounds = 3, 4, 20
+    m = 1 + rounds * (gamma + 1)
+    sure = TraceBank(gamma, (Trajectory(np.ones((2, gamma)), np.full(2, gamma)),))
+    wl = Workload(prompt_lens=(8,), output_lens=(m,))
+    cost = CostModel(flat(), overhead=Linear(0.002, 0.001), draft=Linear(0.003, 0.0005))
+    step = STEP + 0.002 + 0.001 * c + 0.003 + 0.0005 * c
+    res = run_point(cost, "verify-all", sure, wl, SimConfig(c, 6 * c))
+    assert res.mean_step_ms == pytest.approx(step * 1e3)
+    e2e = STEP + rounds * step  # prefill T, then the decode rounds
+    assert res.output_throughput == pytest.approx(c * m / e2e, rel=1e-9)
+    assert res.mean_tps_per_user == pytest.approx((m - 1) / (rounds * step), rel=1e-9)
+    assert (res.output_throughput / m) * e2e == pytest.approx(c, rel=1e-9)
+
+
+def test_simulator_is_deterministic_with_a_seed() -> None:
+    bank = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["code"]), 5, np.random.default_rng(0),
+                          num_trajectories=32, rounds=64)  # fmt: skip
+    cost = CostModel(flat())
+    wl = Workload(256, 64, 0.5)
+    runs = [run_point(cost, "lagged", bank, wl, SimConfig(4, 12, seed=s)) for s in (7, 7, 8)]
+    assert runs[0].row() == runs[1].row()
+    assert runs[0].row() != runs[2].row()
+    bank2 = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["code"]), 5, np.random.default_rng(0),
+                           num_trajectories=32, rounds=64)  # fmt: skip
+    assert all(
+        np.array_equal(a.conf, b.conf) and np.array_equal(a.accepted, b.accepted)
+        for a, b in zip(bank.trajectories, bank2.trajectories, strict=True)
+    )
+
+
+def test_synthetic_bank_matches_paper_rates() -> None:
+    rates = PAPER_ACCEPTANCE["chat"]
+    bank = synthetic_bank(SyntheticSpec(rates), 5, np.random.default_rng(1), 128, 128)
+    assert np.allclose(bank.conditional_acceptance(), rates[:5], atol=0.01)
+    q = bank.confidence_quality()
+    assert all(0.6 < x["auc"] < 0.95 and x["ece"] < 0.05 for x in q)
+
+
+def test_oracle_bounds_policies_and_trace_roundtrip(tmp_path: Path) -> None:
+    bank = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["math"]), 4, np.random.default_rng(2),
+                          num_trajectories=16, rounds=64)  # fmt: skip
+    f = tmp_path / "t.jsonl"
+    bank.to_jsonl(f, {"note": "x"})
+    back = TraceBank.from_jsonl(f)
+    assert back.gamma == 4 and len(back.trajectories) == 16
+    assert np.allclose(back.trajectories[3].conf, bank.trajectories[3].conf, atol=1e-6)
+    # Step time rising with B: the oracle (knows every accepted length) is an upper bound.
+    theta = Curve((1.0, 64.0), (0.0, 0.02))
+    cap = CapacityModel(AdditiveModel(0.01, Curve((1.0,), (0.0,)), theta))
+    wl = Workload(128, 64, 0.5)
+    thr = {
+        p: run_point(CostModel(cap), p, bank, wl, SimConfig(8, 24, seed=3)).output_throughput
+        for p in ("oracle", "lagged", "sync", "verify-all", "no-spec")
+    }
+    assert thr["oracle"] >= max(thr.values()) * 0.999
+
+
+def test_pareto_helpers() -> None:
+    pts = [(100, 10), (80, 30), (90, 5), (50, 60), (40, 55), (20, 80)]
+    f = frontier(pts)
+    assert f == [(20.0, 80.0), (50.0, 60.0), (80.0, 30.0), (100.0, 10.0)]
+    assert tps_at_throughput(f, 45) == pytest.approx(65.0)
+    assert tps_at_throughput(f, 100) is None
+    assert throughput_at_sla(f, 65) == pytest.approx(45.0)
+    assert throughput_at_sla(f, 10) == 80.0 and throughput_at_sla(f, 120) is None
+    base = [(10.0, 40.0), (20.0, 20.0)]
+    m = matched_speedups(base, f)
+    assert [x["speedup"] for x in m] == pytest.approx([70 / 10, 90 / 20])
+
+
+def test_run_cli_writes_tables_and_plots(tmp_path: Path) -> None:
+    argv = ["run", "--profile", "ep8", "--concurrency", "1,8", "--policies",
+            "no-spec,mtp1,sync,lagged,oracle", "--lags", "0,2", "--output-len", "32",
+            "--input-len", "128", "--min-requests", "6", "--out-dir", str(tmp_path),
+            "--name", "t", "--json"]  # fmt: skip
+    assert simulate.main(argv) == 0
+    summary = json.loads((tmp_path / "t.json").read_text())
+    for name in ("t.csv", "t_lag.csv", "t_ablation.csv", "t_pareto.png", "t_load.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    lags = {(r["concurrency"], r["lag"]) for r in summary["lag_table"]}
+    assert lags == {(1, 0), (1, 2), (8, 0), (8, 2)}
+    assert {"lagged_vs_sync_min", "fig8_budget_shrinks_with_load"} <= set(summary["goals"])
+    assert all(r["draft_quality_gain"] > 0 for r in summary["ablation"])

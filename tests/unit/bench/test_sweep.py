@@ -1,0 +1,70 @@
+"""bench.sweep: server command per policy and the goal analysis of a sweep's rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_sglang.bench import sweep
+
+
+def _args(*extra: str) -> object:
+    a = sweep.build_parser().parse_args(["--draft-model-path", "D", *extra])
+    a.concurrency = (1, 8)
+    return a
+
+
+def test_server_command_per_policy() -> None:
+    a = _args("--capacity-profile", "p.yaml")
+    ns = sweep.server_command(a, "no-spec")
+    assert ns[ns.index("--speculative-algorithm") + 1] == "none" and "D" not in ns
+    lag = sweep.server_command(a, "lagged")
+    assert lag[lag.index("--schedule-mode") + 1] == "lagged"
+    assert lag[lag.index("--capacity-profile") + 1] == "p.yaml"
+    assert lag[lag.index("--max-running-requests") + 1] == "8"
+    fx = sweep.server_command(_args(), "fixed:3")
+    assert fx[fx.index("--schedule-mode") + 1] == "fixed:3" and "--capacity-profile" not in fx
+    b = sweep.bench_args(_args(), "lagged", 8)
+    assert b.max_concurrency == 8 and b.num_prompts == 24 and b.ignore_eos
+
+
+def _row(policy: str, c: int, thr: float, tps: float) -> dict:
+    return {"policy": policy, "concurrency": c, "output_throughput": thr,
+            "mean_tps_per_user": tps, "verify_tokens_per_request": 3.0}  # fmt: skip
+
+
+def test_analyse_goals() -> None:
+    rows = [
+        _row("no-spec", 1, 100, 100), _row("no-spec", 8, 400, 50),
+        _row("fixed:3", 1, 150, 150), _row("fixed:3", 8, 500, 62),
+        _row("lagged", 1, 160, 160), _row("lagged", 8, 480, 60),
+    ]  # fmt: skip
+    g = sweep.analyse(rows, ["no-spec", "fixed:3", "lagged"], sla=(55.0, 200.0))
+    per = {x["concurrency"]: x for x in g["per_concurrency"]}
+    assert per[1]["best_rival"] == "fixed:3" and per[1]["pass"]
+    assert per[8]["ratio"] == pytest.approx(0.96) and not per[8]["pass"]
+    assert g["lagged_ge_best_minus_3pct_every_c"] is False
+    m = g["matched_throughput_speedup_vs_nospec"]["lagged"]
+    # no-spec's 400 tok/s point: lagged's frontier gives 60 + (480-400)/(480-160)·100 tok/s/user.
+    assert m[-1]["speedup"] == pytest.approx((60 + 80 / 320 * 100) / 50)
+    assert g["lagged_matched_speedup_ge_1.6"] is (g["lagged_matched_speedup_min"] >= 1.6)
+    assert g["throughput_at_sla"]["55.0"]["lagged"] == pytest.approx(480.0)
+    assert g["throughput_at_sla"]["200.0"]["lagged"] is None
+
+
+def test_replot_from_jsonl(tmp_path: Path) -> None:
+    rows = [_row(p, c, 100.0 * c, 100.0 / c) for p in ("no-spec", "lagged") for c in (1, 2)]
+    (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    argv = ["--replot", "--out-dir", str(tmp_path), "--name", "s", "--policies", "no-spec,lagged"]
+    assert sweep.main(argv) == 0
+    for f in ("s.csv", "s_pareto.png", "s_load.png", "s_summary.json"):
+        assert (tmp_path / f).stat().st_size > 0
+
+
+def test_passes_are_aggregated_by_median() -> None:
+    raw = [_row("lagged", 4, t, 10.0) | {"pass": k} for k, t in enumerate((100.0, 300.0, 200.0))]
+    (row,) = sweep.aggregate(raw)
+    assert row["passes"] == 3 and row["output_throughput"] == 200.0
+    assert row["output_throughput_passes"] == "100.0;300.0;200.0"
