@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format profile serve tiny-model clean
+.PHONY: install test lint format profile serve bench tiny-model clean
 
 install: $(STAMP)
 
@@ -27,6 +27,12 @@ format: $(STAMP)
 
 profile: $(STAMP)
 	$(PY) -m dspark_sglang.profile --quick
+
+# Benchmarks write under docs/results/ (docs/bench.md, docs/results.md); not part of `test`.
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.scheduler
+	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.offline
+	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.sweep $(BENCH_ARGS)
 
 HOST ?= 127.0.0.1
 PORT ?= 30000
