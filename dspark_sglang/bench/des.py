@@ -221,17 +221,27 @@ class Linear:
 @dataclass(frozen=True)
 class CostModel:
     """Step seconds = target forward T(R, B, ctx) from the profile + host overhead(R) every step
-    + drafter(R_draft) on steps that draft (the profile CLI times the target forward only)."""
+    + drafter(R_draft) on steps that draft + prefill(tokens) on steps with prompt tokens (the
+    profile CLI times decode/verify forwards of the target only)."""
 
     capacity: CapacityModel
     overhead: Linear = Linear()
     draft: Linear = Linear()
+    prefill: Linear = Linear()  # extra seconds of a forward carrying prompt tokens
 
-    def step_seconds(self, num_reqs: int, num_tokens: int, ctx: int, num_drafting: int) -> float:
+    def step_seconds(
+        self, num_reqs: int, num_tokens: int, ctx: int, num_drafting: int, prefill_tokens: int = 0
+    ) -> float:
         t = self.capacity.predict(num_reqs, num_tokens, ctx) + self.overhead(num_reqs)
         if num_drafting:
             t += self.draft(num_drafting)
+        if prefill_tokens:
+            t += self.prefill(prefill_tokens)
         return t
+
+    def prefill_seconds(self, prompt_len: int) -> float:
+        """One prompt prefilled alone (the PD prefill side)."""
+        return self.capacity.predict(1, prompt_len, prompt_len) + self.prefill(prompt_len)
 
     def planning_model(self) -> CapacityModel:
         """What the engine's live estimator converges to: the profile with the per-step
@@ -503,7 +513,7 @@ def simulate(
             cur = int(rng.integers(len(bank.trajectories[tj].accepted)))
         r = _Req(i, t, p, max(o, 1), tj, cur)
         if cfg.mode == "pd":  # prefill elsewhere: first token at handoff
-            dur = cost.capacity.predict(1, p, p)
+            dur = cost.prefill_seconds(p)
             start = t
             if prefill_free:
                 w = int(np.argmin(prefill_free))
@@ -565,7 +575,7 @@ def simulate(
         kv = sum(r.prompt_len + r.generated + ell.get(r.rid, 0) for r in decoding)
         kv += sum(r.prompt_len - r.prefill_left + chunks[r.rid] for r in prefill)
         n_draft = len(drafting) if policy.speculative else 0
-        dt = cost.step_seconds(len(running), num_tokens, kv, n_draft)
+        dt = cost.step_seconds(len(running), num_tokens, kv, n_draft, sum(chunks.values()))
         now += dt
         emitted = 0
         acc_real = np.minimum(acc_full, lens) if len(lens) else lens

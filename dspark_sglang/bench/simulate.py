@@ -439,7 +439,7 @@ def run_engine_closed_loop(
     issued, done = 0, 0
     arrivals: list[float] = []
     completions: list[float] = []
-    steps: list[tuple[float, float, int, int, int, float, int, float]] = []
+    steps: list[tuple[float, float, int, int, int, float, int, float, int]] = []
     t_start = time.perf_counter()
 
     def issue(now: float) -> None:
@@ -471,8 +471,19 @@ def run_engine_closed_loop(
                 if capacity is not None and rec is not None
                 else 0.0
             )
+            prompt = rec.num_prefill_tokens if rec is not None else 0
             steps.append(
-                (now, dt, tokens, r, k, fwd_time[0], rec.num_decode_reqs if rec else 0, pred)
+                (
+                    now,
+                    dt,
+                    tokens,
+                    r,
+                    k,
+                    fwd_time[0],
+                    rec.num_decode_reqs if rec else 0,
+                    pred,
+                    prompt,
+                )
             )
             for o in outs:
                 if o.finished:
@@ -495,6 +506,11 @@ def run_engine_closed_loop(
         "mean_forward_ms": float(arr[win, 5].mean() * 1e3),
         "forward_vs_profile": float(arr[win, 5].sum() / arr[win, 7].sum())
         if arr[win, 7].sum() > 0
+        else None,
+        "decode_forward_vs_profile": float(
+            arr[win & (arr[:, 8] == 0), 5].sum() / arr[win & (arr[:, 8] == 0), 7].sum()
+        )
+        if arr[win & (arr[:, 8] == 0), 7].sum() > 0
         else None,
         "steps": arr,
         "window_s": t1 - warm,
@@ -554,7 +570,14 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         for pol in ("no-spec", args.policy):
             log(f"calibration run: {pol} c={c}")
             res = run_engine_closed_loop(
-                engine(pol, c), prompts, args.output_len, c, n_req(c), args.temperature, args.seed
+                engine(pol, c),
+                prompts,
+                args.output_len,
+                c,
+                n_req(c),
+                args.temperature,
+                args.seed,
+                capacity,
             )
             cal["no-spec" if pol == "no-spec" else "spec"].append(res["steps"])
     ns = np.concatenate(cal["no-spec"])
@@ -565,8 +588,13 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         spec_rows[:, 6],
         spec_rows[:, 1] - spec_rows[:, 5] - np.array([overhead(r) for r in spec_rows[:, 3]]),
     )
-    log(f"overhead {overhead}; drafter {draft}")
-    cost = CostModel(capacity, overhead, draft)
+    # Prompt tokens: the profile grid holds decode/verify shapes only, so a step that carries
+    # prefill chunks runs longer than its (R, B) prediction; fit that excess per prompt token.
+    both = np.concatenate([ns, sp[:, :9]])
+    pf = both[both[:, 8] > 0]
+    prefill = fit_linear(pf[:, 8], pf[:, 5] - pf[:, 7]) if len(pf) else Linear()
+    log(f"overhead {overhead}; drafter {draft}; prefill {prefill}")
+    cost = CostModel(capacity, overhead, draft, prefill)
     # 2. Real engine vs simulator at the validation loads.
     table = []
     for c in args.concurrency:
@@ -596,12 +624,13 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             )
             err = sim.output_throughput / real["output_throughput"] - 1.0
             # Diagnostic only: the machine is shared, so its speed drifts between the profile
-            # and the run. Scale every cost term by the run's measured forward/profile ratio.
-            drift = real["forward_vs_profile"] or 1.0
+            # and the run. Scale every cost term by the run's decode-step forward/profile ratio.
+            drift = real["decode_forward_vs_profile"] or 1.0
             scaled = CostModel(
                 replace(capacity, scale=Curve((1.0,), (drift,))),
                 Linear(overhead.a * drift, overhead.b * drift),
                 Linear(draft.a * drift, draft.b * drift),
+                Linear(prefill.a * drift, prefill.b * drift),
             )
             sim_d = run_point(
                 scaled, pol, bank, wl, SimConfig(c, n_req(c), mode="colocated", seed=args.seed)
@@ -621,6 +650,7 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
                     "sim_step_ms": sim.mean_step_ms,
                     "real_forward_ms": real["mean_forward_ms"],
                     "real_forward_vs_profile": real["forward_vs_profile"],
+                    "real_decode_forward_vs_profile": real["decode_forward_vs_profile"],
                     "real_accept_length": real["accept_length"],
                     "sim_accept_length": sim.accept_length,
                     "real_mean_k": real["mean_k"],
@@ -629,7 +659,8 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             )
             log(
                 f"  real {real['output_throughput']:.1f} tok/s, sim {sim.output_throughput:.1f} "
-                f"tok/s ({err:+.1%}); forward/profile {drift:.2f}, drift-corrected {err_d:+.1%}"
+                f"tok/s ({err:+.1%}); decode forward/profile {drift:.2f}, "
+                f"drift-corrected {err_d:+.1%}"
             )
     return {
         "tool": "dspark_sglang.bench.simulate validate",
@@ -639,6 +670,7 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         "trace": bank.source,
         "overhead": vars(overhead),
         "draft": vars(draft),
+        "prefill": vars(prefill),
         "rows": table,
         "all_within_10pct": all(r["within_10pct"] for r in table),
     }
@@ -785,8 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"{r['policy']:<10s} c={r['concurrency']:<3d} real {r['real_throughput']:8.1f} "
             f"sim {r['sim_throughput']:8.1f} tok/s  {r['error']:+6.1%}  "
-            f"{'PASS' if r['within_10pct'] else 'MISS'}  (forward/profile "
-            f"{r['real_forward_vs_profile']:.2f}, drift-corrected "
+            f"{'PASS' if r['within_10pct'] else 'MISS'}  (decode forward/profile "
+            f"{r['real_decode_forward_vs_profile'] or float('nan'):.2f}, drift-corrected "
             f"{r['error_drift_corrected']:+.1%})"
         )
     return 0
