@@ -46,14 +46,18 @@ class ContinuationDrafter:
     ) -> Proposal:
         g = self.llm.gamma
         toks = torch.zeros(len(batch.seq_ids), g, dtype=torch.long)
+        # a calibrated confidence head: confidence-driven schedules (sync, lagged) must verify the
+        # good prefixes whatever capacity curve the start-up profile measured on a noisy host
+        conf = torch.zeros(len(batch.seq_ids), g)
         for i, sid in enumerate(batch.seq_ids):
             seq = self.llm.scheduler.seqs[sid]
             cont = self.want[tuple(seq.prompt_ids)][len(seq.output_ids) :] + [0] * g
             for k in range(g):
                 ok = self.rng.random() > self.bad
                 toks[i, k] = cont[k] if ok else (cont[k] + 1) % VOCAB
+                conf[i, k] = 6.0 if ok else -6.0
         q = torch.nn.functional.one_hot(toks, VOCAB).float()
-        return Proposal(batch.seq_ids, toks, q, torch.zeros(len(batch.seq_ids), g))
+        return Proposal(batch.seq_ids, toks, q, conf)
 
 
 @pytest.mark.parametrize("mode", MODES)
