@@ -105,3 +105,4 @@ class StepRecord:
     fallback: str = ""  # why the planner fell back this step ("" = it did not)
     # routed (token, expert) pairs per EP rank, summed over MoE layers; () with one rank
     routed_tokens_per_rank: tuple[int, ...] = ()
+    draft_seconds: float = 0.0  # wall time of the drafter this step (0: it did not run)

@@ -373,22 +373,30 @@ FORMS: dict[str, type[TableModel] | type[AdditiveModel]] = {
 }
 
 
+DRAFT_MODES = ("never", "always", "when_verifying")
+
+
 @dataclass(frozen=True, slots=True)
 class CapacityModel:
-    """T(R, B, ctx) = scale(B_exec) · (form(R, B_exec, ctx) + moe(B_exec)), B_exec the bucket.
+    """T(R, B, ctx) = scale(B_exec) · (form(R, B_exec, ctx) + moe(B_exec)) + draft(R), B_exec the
+    bucket, draft(R) only on steps that ran the drafter.
 
     An immutable value (STYLE §3): updates build a new one with version + 1, which every rank swaps
     in at one step boundary. `scale` is the live estimator's multiplicative correction (flat outside
-    its knots); `moe` the EP term for MoE targets."""
+    its knots); `moe` the EP term for MoE targets; `draft` the drafter's seconds per step vs R (on a
+    GPU a few percent of a forward, on a CPU a large share of it: a step that verifies nothing can
+    skip the drafter, so the lagged planner must weigh it)."""
 
     form: TableModel | AdditiveModel
     moe: ExpertParallelTerm | None = None
     scale: Curve | None = None
     version: int = 0
+    draft: Curve | None = None
 
     def step_seconds(
         self, num_reqs: Array | int, num_tokens: Array | int, ctx: Array | int = 0
     ) -> Array:
+        """Target forward seconds (without the drafter)."""
         ex = executed_tokens(self.form.buckets, num_tokens)
         t = self.form.base_seconds(num_reqs, ex, ctx)
         if self.moe is not None:
@@ -397,14 +405,35 @@ class CapacityModel:
             t = t * np.interp(ex, self.scale.knots, self.scale.values)
         return t
 
-    def predict(self, num_reqs: int, num_tokens: int, ctx: int = 0) -> float:
-        """Seconds of one forward of B = num_tokens tokens for R requests (DESIGN §4)."""
-        return float(self.step_seconds(num_reqs, num_tokens, ctx))
+    def draft_seconds(self, num_reqs: Array | int) -> Array:
+        """Drafter seconds of a step drafting for R requests; 0 when the model has no draft term."""
+        r = np.asarray(num_reqs, np.float64)
+        return np.zeros_like(r) if self.draft is None else self.draft(r)
 
-    def sps_array(self, num_reqs: int, max_tokens: int, ctx: int = 0) -> Array:
+    def predict(self, num_reqs: int, num_tokens: int, ctx: int = 0, drafted: bool = False) -> float:
+        """Seconds of one step: a forward of B = num_tokens tokens for R requests (DESIGN §4),
+        plus the drafter when this step ran it."""
+        t = float(self.step_seconds(num_reqs, num_tokens, ctx))
+        return t + float(self.draft_seconds(num_reqs)) if drafted else t
+
+    def sps_array(
+        self, num_reqs: int, max_tokens: int, ctx: int = 0, draft: str = "never"
+    ) -> Array:
         """sps[B] = 1 / T(R, B, ctx) for B = 1..max_tokens, ceiled to the executed bucket: the SPS
-        contract of `algo.verify_budget` (paper §3.2.2 SPS(B)); sps[0] is unused and 0."""
-        sps = 1.0 / self.step_seconds(num_reqs, np.arange(max_tokens + 1), ctx)
+        contract of `algo.verify_budget` (paper §3.2.2 SPS(B)); sps[0] is unused and 0.
+
+        `draft` says which steps pay the drafter: "never" (price forwards only), "always" (it ran
+        before the plan, as in Algorithm 1: a sunk cost every B pays) or "when_verifying" (the
+        plan comes first and B = R skips the drafter, as the lagged schedule does)."""
+        if draft not in DRAFT_MODES:
+            raise ValueError(f"draft must be one of {DRAFT_MODES}, got {draft!r}")
+        t = self.step_seconds(num_reqs, np.arange(max_tokens + 1), ctx)
+        if draft != "never" and self.draft is not None:
+            d = float(self.draft_seconds(num_reqs))
+            t = t + d
+            if draft == "when_verifying" and num_reqs <= max_tokens:
+                t[num_reqs] -= d
+        sps = 1.0 / t
         sps[0] = 0.0
         return sps
 
@@ -426,6 +455,8 @@ class CapacityModel:
             params["moe"] = self.moe.to_dict()
         if self.scale is not None:
             params["scale"] = self.scale.to_dict()
+        if self.draft is not None:
+            params["draft"] = self.draft.to_dict()
         return {"kind": self.form.kind, "version": self.version, "params": params}
 
     @staticmethod
@@ -437,7 +468,8 @@ class CapacityModel:
         form = FORMS[kind].from_params(params, f"{where}.params")
         moe = get_field(params, "moe", f"{where}.params", None)
         scale = get_field(params, "scale", f"{where}.params", None)
-        extra = set(params) - {*form.to_params(), "moe", "scale"}
+        draft = get_field(params, "draft", f"{where}.params", None)
+        extra = set(params) - {*form.to_params(), "moe", "scale", "draft"}
         if extra:
             raise ConfigError(f"{where}.params: unknown field(s) {sorted(extra)}")
         return CapacityModel(
@@ -445,4 +477,5 @@ class CapacityModel:
             moe=None if moe is None else ExpertParallelTerm.from_dict(moe, f"{where}.params.moe"),
             scale=None if scale is None else _scale_from_dict(scale, f"{where}.params.scale"),
             version=as_int(get_field(d, "version", where, 0), f"{where}.version"),
+            draft=None if draft is None else Curve.from_dict(draft, f"{where}.params.draft"),
         )

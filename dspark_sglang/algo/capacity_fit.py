@@ -207,6 +207,9 @@ class LiveEstimator:
         self._ape: deque[float] = deque(maxlen=cfg.mape_window)
         self._cusum, self._run = [0.0, 0.0], [0, 0]  # (upward, downward)
         self._since = 0
+        # Drafter seconds per R: measured directly each drafting step, so a plain EWMA per R
+        # (no regression); the prior's curve fills the R never seen.
+        self._draft: dict[int, tuple[float, float]] = {}  # R -> (EWMA seconds, records)
         moe = prior.moe
         self._pop = None
         if moe is not None:
@@ -230,8 +233,12 @@ class LiveEstimator:
             return None
         self.num_observed += 1
         args = (rec.num_reqs, rec.num_tokens, rec.kv_tokens)
-        self._ape.append(abs(self.model.predict(*args) - y) / y)
+        drafted = rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds)
+        self._ape.append(abs(self.model.predict(*args, drafted=drafted) - y) / y)
         self._count_experts(rec.routed_tokens_per_expert)
+        if drafted:
+            self._observe_draft(rec.num_reqs, rec.draft_seconds)
+            y = max(y - rec.draft_seconds, 0.05 * y)  # the forward's share: what the form prices
         ex = executed_tokens(self._base.form.buckets, rec.num_tokens)
         i = min(int(np.searchsorted(self._grid, ex)), self._grid.size - 1)
         u = self._u[i] * self._n[i] / (self._n[i] + cfg.prior_weight)
@@ -263,6 +270,28 @@ class LiveEstimator:
             self.num_rejected += 1
         self._since += 1
         return self._publish() if self._since >= cfg.publish_every else None
+
+    def _observe_draft(self, num_reqs: int, seconds: float) -> None:
+        mean, n = self._draft.get(num_reqs, (seconds, 0.0))
+        mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
+        self._draft[num_reqs] = (mean, n + 1.0)
+
+    def _draft_curve(self) -> Curve | None:
+        prior = self._base.draft
+        if not self._draft:
+            return prior
+        reqs = sorted(set(self._draft) | set(int(k) for k in (prior.knots if prior else ())))
+        vals, wts = [], []
+        for r in reqs:
+            mean, n = self._draft.get(r, (0.0, 0.0))
+            if prior is not None:  # shrink a sparse R toward the prior's value there
+                p = float(prior(r))
+                mean = (mean * n + p * self.cfg.prior_weight) / (n + self.cfg.prior_weight)
+            vals.append(mean)
+            wts.append(n + (self.cfg.prior_weight if prior is not None else 0.0))
+        # more requests never draft faster: isotonic in R, as the forward's scale is in B
+        smooth = isotonic(np.asarray(vals), np.maximum(np.asarray(wts), 1e-3))
+        return Curve(tuple(float(r) for r in reqs), tuple(smooth.tolist()))
 
     def _prior_factor(self, executed: Array | int) -> Array:
         s = self._prior_scale
@@ -305,5 +334,7 @@ class LiveEstimator:
         ref = np.log(self._base.step_seconds(1, grid, 0))
         log_s = isotonic(ref + log_s, self._n + cfg.prior_weight) - ref
         scale = Curve(tuple(self._grid.tolist()), tuple(np.exp(log_s).tolist()))
-        self.model = replace(self._base, scale=scale, version=self.model.version + 1)
+        self.model = replace(
+            self._base, scale=scale, draft=self._draft_curve(), version=self.model.version + 1
+        )
         return self.model

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from dspark_sglang.algo.capacity import CapacityModel
+from dspark_sglang.algo.capacity import CapacityModel, Curve
 from dspark_sglang.algo.capacity_fit import fit_additive, fit_table
 from dspark_sglang.algo.verify_budget import ScheduleMode, parse_schedule_mode
 from dspark_sglang.config import (
@@ -36,7 +36,7 @@ from dspark_sglang.engine.ep import create_runner
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.engine.kv_cache import slots
 from dspark_sglang.engine.planner import Plan, VerifyPlanner
-from dspark_sglang.engine.profiler import ep_load_term, startup_grid, time_point
+from dspark_sglang.engine.profiler import ep_load_term, startup_grid, time_draft, time_point
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sampler import make_generator, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
@@ -141,7 +141,9 @@ class LLMEngine:
             raise ConfigError("--schedule-mode threshold:C needs a drafter with a confidence head")
         self.stats = SpecStats(self.gamma)
         self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
-        self._last_plan: Plan | None = None
+        self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
+        self._draft_seconds = 0.0
+        self._planned_ids: frozenset[int] = frozenset()
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -187,18 +189,30 @@ class LLMEngine:
             np.array([row[k] for row in rows], dtype=np.float64)
             for k in ("R", "B", "ctx", "median_s")
         )
+        draft = self._profile_draft(gen, int(r.max()), int(c.max()))
         moe = None
         if self.config.parallel.ep_size > 1:  # the busiest rank's expert time (docs/ep.md)
             moe = ep_load_term(self.runner, self.config.parallel.ep_size, int(b.max()))
             s = s - moe.seconds(b.astype(np.int64))
         # The step records' ctx is the attended context summed over requests.
         try:
-            return CapacityModel(fit_additive(r, b, r * c + b, s), moe)
+            return CapacityModel(fit_additive(r, b, r * c + b, s), moe, draft=draft)
         except ValueError:
             # Too few or too noisy points for the additive form (tiny models on a busy host):
             # a per-B table of medians is always fittable; the live estimator refines it.
             buckets = tuple(int(x) for x in np.unique(b))
-            return CapacityModel(fit_table(b, s, buckets), moe)
+            return CapacityModel(fit_table(b, s, buckets), moe, draft=draft)
+
+    def _profile_draft(self, gen: torch.Generator, max_reqs: int, ctx: int) -> Curve:
+        """The drafter's seconds per step vs R, at the grid's largest context (the draft term;
+        the live estimator tracks it from every drafting step afterwards)."""
+        ctx = max(ctx, 16)
+        fits = self.pool.num_free_blocks // -(-(ctx + 1) // self.pool.page_size)
+        reqs = [x for x in (1, 2, 4, 8, 16, 32, 64) if x <= min(max_reqs, fits)] or [1]
+        secs = [
+            time_draft(self.runner, self.pool, n, ctx, repeats=3, warmup=1, gen=gen) for n in reqs
+        ]
+        return Curve(tuple(float(x) for x in reqs), tuple(np.maximum.accumulate(secs).tolist()))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -274,6 +288,7 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._last_plan, self._draft_seconds, self._planned_ids = None, 0.0, frozenset()
         proposal, drafts = self._draft()
         plan = self.scheduler.schedule(drafts)
         if plan.is_empty:
@@ -314,6 +329,18 @@ class LLMEngine:
         ready = [s for s, c in zip(ready, caps, strict=True) if c > 0]
         if not ready:
             return None, {}
+        assert self.planner is not None
+        ids = [s.seq_id for s in ready]
+        self._planned_ids = frozenset(ids)
+        max_len = np.array([min(self._verify_cap(s), self.gamma) for s in ready])
+        ctx = sum(s.num_tokens for s in ready)
+        k = None
+        if self.planner.plans_before_drafting:
+            k = self.planner.budget(ids, max_len, ctx)
+            if k == 0:  # nothing will be verified: a plain decode step, without the drafter
+                self._last_plan = self.planner.skip(ids, max_len, ctx)
+                return None, {}
+        t0 = time.perf_counter()
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
         temps, _, _ = sampling_tensors([s.params for s in ready], self.runner.device)
         proposal = self.runner.draft(batch, temps, self._generators(ready))
@@ -322,10 +349,8 @@ class LLMEngine:
             if proposal.conf_logits is not None
             else None
         )
-        max_len = np.array([min(self._verify_cap(s), self.gamma) for s in ready])
-        ctx = sum(s.num_tokens for s in ready)
-        assert self.planner is not None
-        self._last_plan = self.planner.plan([s.seq_id for s in ready], logits, max_len, ctx)
+        self._draft_seconds = time.perf_counter() - t0
+        self._last_plan = self.planner.plan(ids, logits, max_len, ctx, k)
         lens = self._last_plan.lengths
         toks = proposal.tokens.tolist()  # draft ids go into the host-built batch
         self.stats.drafted += len(ready) * self.gamma
@@ -372,19 +397,25 @@ class LLMEngine:
         accepted: dict[int, int],
         proposal: Proposal | None,
     ) -> None:
-        if proposal is None:
+        if self._last_plan is None:  # no speculation this step (no drafter, or only prefill)
             return
         self.stats.steps += 1
-        row = proposal.row_of()
-        conf = proposal.conf_logits.tolist() if proposal.conf_logits is not None else None
+        # A skipped draft (lagged K = 0) is a round verifying nothing, as a row with l = 0 is.
+        row = proposal.row_of() if proposal is not None else {}
+        conf = (
+            proposal.conf_logits.tolist()
+            if proposal is not None and proposal.conf_logits is not None
+            else None
+        )
+        planned = self._planned_ids
         for s in plan.seqs:
             seq = self.scheduler.seqs[s.seq_id]
-            if seq not in touched or s.seq_id not in proposal.seq_ids:
+            if seq not in touched or s.seq_id not in planned:
                 continue
             n = min(accepted[s.seq_id], len(touched[seq]))
             self.stats.add_round(len(s.draft_ids), n, len(touched[seq]))
             if self.rounds is not None:
-                logits = tuple(conf[row[s.seq_id]][: self.gamma]) if conf else ()
+                logits = tuple(conf[row[s.seq_id]][: self.gamma]) if conf and row else ()
                 self.rounds.append(
                     RoundRecord(s.seq_id, len(s.draft_ids), n, len(touched[seq]), logits)
                 )
@@ -406,7 +437,7 @@ class LLMEngine:
         per_expert = counts.tolist() if counts is not None else []
         decodes = sum(1 for s in plan.seqs if s.sample and s.num_sample_rows == s.num_new_tokens)
         prefill = sum(s.num_new_tokens for s in plan.seqs if s.num_sample_rows != s.num_new_tokens)
-        p = self._last_plan if proposal is not None else None
+        p = self._last_plan
         rec = StepRecord(
             step=self._step_no,
             num_reqs=len(plan.seqs),
@@ -426,9 +457,11 @@ class LLMEngine:
             ),
             fallback=p.fallback if p else "",
             routed_tokens_per_rank=_per_rank(per_expert, self.config.parallel.ep_size),
+            draft_seconds=self._draft_seconds,
         )
-        if self.planner is not None and proposal is not None:
-            verified = [s for s in plan.seqs if s.seq_id in proposal.seq_ids and s.sample]
+        if self.planner is not None and p is not None:
+            drafted = proposal.seq_ids if proposal is not None else ()
+            verified = [s for s in plan.seqs if s.seq_id in drafted and s.sample]
             self.planner.observe(
                 np.array([len(s.draft_ids) for s in verified], dtype=np.int64),
                 np.array([accepted.get(s.seq_id, 0) for s in verified], dtype=np.int64),

@@ -58,10 +58,46 @@ class VerifyPlanner:
         self._pool = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
         self._next_k: Future[int] | None = None
         self.fallbacks: dict[str, int] = {}
+        self._fallback = ""  # why this step's K fell back ("" = it did not)
+
+    @property
+    def plans_before_drafting(self) -> bool:
+        """Lagged K is known before this step's drafts exist, so K = 0 can skip the drafter."""
+        return self.mode.name == "lagged"
+
+    def _sps(self, r: int, ctx: int) -> np.ndarray:
+        if self.capacity is None:
+            return _NO_SPS
+        # lagged: B = R skips the drafter; every other mode drafted before planning (sunk cost)
+        draft = "when_verifying" if self.plans_before_drafting else "always"
+        return self.capacity.sps_array(r, r * (self.gamma + 1), ctx, draft=draft)
+
+    def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
+        """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
+        assert self.plans_before_drafting
+        k, self._fallback = self._lagged_k(np.asarray(ids), self._sps(len(ids), ctx), max_len)
+        return k
+
+    def skip(self, ids: list[int], max_len: np.ndarray, ctx: int) -> Plan:
+        """Lagged K = 0: no drafter this step. Nothing new enters the history; the next K is
+        planned from what it holds, as usual, while this forward runs."""
+        r = len(ids)
+        sps = self._sps(r, ctx)
+        self._submit_next(np.asarray(ids), sps, max_len)
+        self._count_fallback()
+        predicted = self.capacity.predict(r, r, ctx) if self.capacity else math.nan
+        theta = float(r * sps[r]) if self.capacity and r < sps.size else math.nan
+        return Plan(np.zeros(r, np.int64), 0, predicted, theta, self._fallback)
 
     def plan(
-        self, ids: list[int], conf_logits: np.ndarray | None, max_len: np.ndarray, ctx: int
+        self,
+        ids: list[int],
+        conf_logits: np.ndarray | None,
+        max_len: np.ndarray,
+        ctx: int,
+        k: int | None = None,
     ) -> Plan:
+        """Verify lengths for this step's drafts; lagged mode takes the K `budget` returned."""
         r = len(ids)
         conf = (
             sts_confidences(conf_logits, self.sts)
@@ -69,26 +105,32 @@ class VerifyPlanner:
             else np.ones((r, self.gamma))
         )
         surv = survival(conf)
-        sps = self.capacity.sps_array(r, r * (self.gamma + 1), ctx) if self.capacity else _NO_SPS
-        fallback = ""
-        if self.mode.name == "lagged":
-            k, fallback = self._lagged_k(np.asarray(ids), sps, max_len)
+        sps = self._sps(r, ctx)
+        if self.plans_before_drafting:
+            if k is None:
+                k = self.budget(ids, max_len, ctx)
             lens = assign_top_k(surv, k, max_len=max_len)
         else:
             lens = plan_verify_lengths(
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
             )
         self.history = self.history.push(np.asarray(ids), surv)
+        self._submit_next(np.asarray(ids), sps, max_len)
+        self._count_fallback()
+        b = r + int(lens.sum())
+        predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
+        theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
+        return Plan(lens, int(lens.sum()), predicted, theta, self._fallback)
+
+    def _submit_next(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> None:
         if self._pool is not None:  # next step's K, while this step's forward runs
             self._next_k = self._pool.submit(
-                self._k_from_history, self.history, np.asarray(ids), self.prior, sps, max_len
+                self._k_from_history, self.history, ids, self.prior, sps, max_len
             )
-        if fallback:
-            self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
-        b = r + int(lens.sum())
-        predicted = self.capacity.predict(r, b, ctx) if self.capacity else math.nan
-        theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
-        return Plan(lens, int(lens.sum()), predicted, theta, fallback)
+
+    def _count_fallback(self) -> None:
+        if self._fallback:
+            self.fallbacks[self._fallback] = self.fallbacks.get(self._fallback, 0) + 1
 
     def _k_from_history(
         self,

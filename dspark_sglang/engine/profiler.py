@@ -17,6 +17,7 @@ from dspark_sglang.engine.batch import build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sequence import Sequence, Status
+from dspark_sglang.engine.speculative import build_draft_batch
 from dspark_sglang.models.moe import SparseMoeBlock
 from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
 
@@ -91,6 +92,49 @@ def time_point(
         "p90_s": p90,
         "repeats": repeats,
     }
+
+
+def time_draft(
+    runner: ModelRunner,
+    pool: BlockPool,
+    num_reqs: int,
+    ctx: int,
+    repeats: int,
+    warmup: int,
+    gen: torch.Generator,
+) -> float:
+    """Median wall seconds of one drafting pass (block forward + sequential head, sampling at
+    T = 1) for `num_reqs` requests with `ctx` context tokens each: the capacity model's draft
+    term. The draft context K/V holds whatever the pool's slots hold; only the time matters."""
+    assert runner.drafter is not None
+    seqs = []
+    try:
+        for i in range(num_reqs):
+            ids = torch.randint(0, runner.arch.vocab_size, (ctx + 1,), generator=gen).tolist()
+            seq = Sequence(i, ids[:-1], SamplingParams(), arrival=i, num_cached=ctx)
+            seq.output_ids.append(ids[-1])
+            seq.status = Status.RUNNING
+            pool.grow(seq.block_table, ctx + 1)
+            seqs.append(seq)
+        batch = build_draft_batch(seqs, runner.page_size, runner.device)
+        # The CPU generator cannot drive sampling on a GPU; greedy drafting costs about the same.
+        sampled = runner.device == "cpu"
+        temps = torch.full((num_reqs,), 1.0 if sampled else 0.0, device=runner.device)
+        gens = [gen if sampled else None] * num_reqs
+        times = []
+        for k in range(warmup + repeats):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            prop = runner.draft(batch, temps, gens)
+            if prop.conf_logits is not None:
+                prop.conf_logits.cpu()  # the engine reads them on the host to plan
+            _sync(runner.device)
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        for seq in seqs:
+            pool.release(seq.block_table)
+    return float(np.median(times))
 
 
 def startup_grid(

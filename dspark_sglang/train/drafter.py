@@ -75,9 +75,19 @@ def draft_config(target: ArchConfig, kind: str, args: argparse.Namespace, mask_i
 
 
 def generate_samples(
-    target_dir: Path, corpus: Path, num: int, prompt_len: int, gen_len: int, seed: int
+    target_dir: Path,
+    corpus: Path,
+    num: int,
+    prompt_len: int,
+    gen_len: int,
+    seed: int,
+    sampling: tuple[float, float, int] = (1.0, 1.0, 0),
 ) -> list[Sample]:
-    """Target-generated continuations (DeepSpec regenerates answers with the target, §3.1)."""
+    """Target-generated continuations (DeepSpec regenerates answers with the target, §3.1).
+
+    `sampling` is (temperature, top_p, top_k). The default, plain T = 1, matches the evaluation
+    protocol, so the drafter trains on the kind of context it is later measured on.
+    """
     from tokenizers import Tokenizer
 
     from dspark_sglang.engine.engine import LLM
@@ -94,8 +104,11 @@ def generate_samples(
         start = rng.randrange(0, len(ids) - prompt_len)
         prompts.append(ids[start : start + prompt_len])
     llm = LLM(str(target_dir), seed=seed, max_running_requests=64, max_num_batched_tokens=4096)
+    temp, top_p, top_k = sampling
     params = [
-        SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=seed + i, max_tokens=gen_len)
+        SamplingParams(
+            temperature=temp, top_p=top_p, top_k=top_k, seed=seed + i, max_tokens=gen_len
+        )
         for i in range(num)
     ]
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -260,6 +273,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--gen-len", type=int, default=160)
+    p.add_argument("--gen-temperature", type=float, default=1.0, help="sampling of the samples")
+    p.add_argument("--gen-top-p", type=float, default=1.0)
+    p.add_argument("--gen-top-k", type=int, default=0, help="0 = no top-k truncation")
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--num-draft-layers", type=int, default=2)
     p.add_argument(
@@ -289,7 +305,13 @@ def main(args: argparse.Namespace) -> None:
         samples = [Sample(**json.loads(x)) for x in args.samples.read_text().splitlines() if x]
     else:
         samples = generate_samples(
-            args.target, args.corpus, args.num_samples, args.prompt_len, args.gen_len, args.seed
+            args.target,
+            args.corpus,
+            args.num_samples,
+            args.prompt_len,
+            args.gen_len,
+            args.seed,
+            (args.gen_temperature, args.gen_top_p, args.gen_top_k),
         )
         if args.samples is not None:
             args.samples.parent.mkdir(parents=True, exist_ok=True)

@@ -378,3 +378,63 @@ def test_estimator_tracks_expert_popularity() -> None:
     assert pop[:8].sum() > 0.9
     flat_max = expected_max_rank_load((1.0,) * 64, 8, 4, 64)
     assert expected_max_rank_load(pop, 8, 4, 64) > 3 * flat_max
+
+
+# ---- the drafter's cost ---------------------------------------------------------------------
+
+
+def test_sps_array_prices_the_drafter_by_mode() -> None:
+    m = replace(additive(), draft=Curve((1.0, 16.0), (0.004, 0.010)))
+    r, ctx = 4, 4000
+    t = m.step_seconds(r, np.arange(33), ctx)
+    d = float(m.draft_seconds(r))
+    assert d == pytest.approx(0.004 + 3 * 0.006 / 15)
+    never = m.sps_array(r, 32, ctx)
+    np.testing.assert_allclose(never[1:], 1.0 / t[1:])
+    always = m.sps_array(r, 32, ctx, draft="always")
+    np.testing.assert_allclose(always[1:], 1.0 / (t[1:] + d))
+    lag = m.sps_array(r, 32, ctx, draft="when_verifying")
+    assert lag[r] == pytest.approx(1.0 / t[r])  # K = 0 runs no drafter
+    np.testing.assert_allclose(lag[r + 1 :], 1.0 / (t[r + 1 :] + d))
+    assert m.predict(r, 8, ctx, drafted=True) == pytest.approx(m.predict(r, 8, ctx) + d)
+    assert additive().sps_array(r, 32, ctx, draft="always")[r] == pytest.approx(1.0 / t[r])
+    with pytest.raises(ValueError, match="draft must be one of"):
+        m.sps_array(r, 32, ctx, draft="sometimes")
+    back = CapacityModel.from_dict(m.to_dict())
+    assert back == m
+    with pytest.raises(ConfigError, match=r"model\.params\.draft\.values"):
+        CapacityModel.from_dict(
+            {**m.to_dict(), "params": {**m.to_dict()["params"], "draft": {"knots": [1]}}}
+        )
+
+
+def test_lagged_k_drops_to_zero_when_the_drafter_costs_more_than_it_wins() -> None:
+    surv = np.tile(np.cumprod(np.full(7, 0.6)), (8, 1))  # 0.6 acceptance per position
+    for d, positive in ((0.0, True), (0.002, True), (0.5, False)):
+        m = replace(additive(), draft=Curve((1.0,), (d,)))
+        sps = m.sps_array(8, 64, 8 * 500, draft="when_verifying")
+        k = vb.lagged_global_k(surv, sps)
+        assert (k > 0) == positive, (d, k)
+
+
+def test_estimator_learns_the_draft_term_and_keeps_the_forward_unbiased() -> None:
+    """Steps = TRUTH's forward + a drafter of 3 ms + 0.5 ms per request on half of the steps:
+    the published model prices both, and its forward part does not absorb the drafter."""
+    rng = np.random.default_rng(3)
+    est = LiveEstimator(TRUTH)
+    recs = []
+    for t in range(600):
+        r = int(rng.choice([1, 2, 4, 8, 16]))
+        b, c = r * int(rng.integers(1, 9)), r * 800
+        drafted = t % 2 == 0
+        d = (0.003 + 0.0005 * r) * np.exp(rng.normal(0.0, 0.03)) if drafted else 0.0
+        y = TRUTH.predict(r, b, c) * np.exp(rng.normal(0.0, 0.03)) + d
+        recs.append(StepRecord(t, r, b, 0, r, c, float(y), draft_seconds=float(d)))
+    for rec in recs:
+        est.observe(rec)
+    m = est.model
+    assert m.draft is not None
+    for r in (1, 2, 4, 8, 16):
+        assert float(m.draft_seconds(r)) == pytest.approx(0.003 + 0.0005 * r, rel=0.05)
+    assert model_error(m) < 0.04
+    assert est.mape < 0.06

@@ -171,10 +171,11 @@ class BigramDrafter:
         return Proposal(batch.seq_ids, toks, q, self.conf_w[prev])
 
 
-def write_capacity_profile(path: Path, gamma: int) -> Path:
+def write_capacity_profile(path: Path, gamma: int, draft_s: float | None = None) -> Path:
     """A GPU-like curve (a flat base plus a small per-token cost): extra drafts pay only when
-    they are likely to be accepted, so sync and lagged verify some drafts and skip others."""
-    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    they are likely to be accepted, so sync and lagged verify some drafts and skip others.
+    `draft_s` adds a flat drafter cost per step."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
     from dspark_sglang.capacity_profile import (
         EngineProfile,
         Parallelism,
@@ -183,13 +184,52 @@ def write_capacity_profile(path: Path, gamma: int) -> Path:
     )
 
     buckets = tuple(range(16, 4097, 16))
-    model = CapacityModel(TableModel(buckets, tuple(0.010 + 1e-5 * b for b in buckets)))
+    draft = None if draft_s is None else Curve((1.0,), (draft_s,))
+    model = CapacityModel(
+        TableModel(buckets, tuple(0.010 + 1e-5 * b for b in buckets)), draft=draft
+    )
     prov = Provenance("analytic", "tests/unit/engine/test_speculative.py", "2026-11-30", "test")
     profile = EngineProfile(
         "test", "reference", "test", "random", "random", Parallelism(), gamma, buckets, model, prov
     )
     save_profile(profile, path)
     return path
+
+
+@pytest.mark.parametrize("draft_s", [1.0, 0.0])
+def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
+    pair: tuple[Path, Path], tmp_path: Path, draft_s: float
+) -> None:
+    """A drafter that costs 100 forwards per step never pays: lagged K is 0 every step and the
+    drafter never runs (plain decode, same tokens). A free drafter is used as before."""
+    from dspark_sglang.types import StepRecord
+
+    target, drafter = pair
+    ps = prompts(4, seed=3)
+    base = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    spec = LLM(
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode="lagged",
+        live_capacity=False,
+        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, draft_s)),
+        num_blocks=128,
+        page_size=4,
+    )
+    recs: list[StepRecord] = []
+    spec.on_step = recs.append
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    planned = [r for r in recs if r.verify_budget_k >= 0]
+    assert planned and spec.stats.rounds > 0
+    if draft_s > 0:
+        assert spec.stats.drafted == 0
+        assert all(r.verify_budget_k == 0 and r.draft_seconds == 0.0 for r in planned)
+        assert all(abs(r.predicted_seconds - 0.010 - 1e-5 * 16) < 1e-9 for r in planned)
+    else:
+        assert spec.stats.drafted > 0 and spec.stats.verified > 0
+        assert any(r.draft_seconds > 0.0 for r in planned)
+    spec.close()
 
 
 def chi_square_pvalue(obs: np.ndarray, exp: np.ndarray) -> float:
