@@ -261,6 +261,12 @@ class LLMEngine:
             )
         if not self.scheduler.can_adopt(n):
             return None
+        # A malformed RNG state must fail before the request holds KV or a running slot.
+        gen = make_generator(0, self.runner.device)
+        try:
+            gen.set_state(h.rng_state)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ConfigError(f"handoff carries an invalid sampler RNG state: {e}") from e
         seq = self.scheduler.adopt(h.prompt_ids, h.params, h.first_token)
         slot_ids = torch.tensor(
             slots(seq.block_table, 0, n, self.runner.page_size), device=self.runner.device
@@ -269,8 +275,6 @@ class LLMEngine:
         if drafter is not None and h.draft_ctx is not None:
             pos = torch.arange(n, device=self.runner.device)
             self.runner.write_draft_context(h.draft_ctx.to(self.runner.device), pos, slot_ids)
-        gen = make_generator(0, self.runner.device)
-        gen.set_state(h.rng_state)
         detok = IncrementalDetokenizer(self.tokenizer, h.prompt_ids) if self.tokenizer else None
         st = _ReqState(gen, detok)
         if detok is not None:

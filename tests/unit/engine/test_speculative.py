@@ -333,3 +333,27 @@ def test_prefill_decode_handoff_continues_exactly(
                 got[mapping[o.seq_id]] = o.output_ids
     assert [got[n] for n in range(len(ps))] == [o.output_ids for o in whole]
     assert decode.pool.num_free_blocks == decode.pool.num_blocks
+
+
+def test_handoff_with_a_bad_rng_state_is_refused_before_it_takes_kv(
+    pair: tuple[Path, Path],
+) -> None:
+    from dataclasses import replace
+
+    from dspark_sglang.config import ConfigError
+
+    target, drafter = pair
+    prefill = LLM(str(target), draft_model=str(drafter), page_size=4)
+    prefill.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=8), prefill_only=True)
+    handoff = None
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            handoff = o.handoff or handoff
+    assert handoff is not None
+    decode = LLM(str(target), draft_model=str(drafter), page_size=4, num_blocks=64)
+    bad = replace(handoff, rng_state=torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ConfigError, match="RNG state"):
+        decode.try_adopt(bad)
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks
+    assert not decode.has_unfinished()
+    assert decode.try_adopt(handoff) is not None  # the good one still goes through
