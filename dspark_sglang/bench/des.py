@@ -244,17 +244,23 @@ class CostModel:
         return self.capacity.predict(1, prompt_len, prompt_len) + self.prefill(prompt_len)
 
     def planning_model(self) -> CapacityModel:
-        """What the engine's live estimator converges to: the profile with the per-step
-        overhead and drafter terms folded into bias and α(R) (additive profiles only)."""
-        form = self.capacity.form
-        extra_a, extra_b = self.overhead.a + self.draft.a, self.overhead.b + self.draft.b
+        """What the engine's live estimator converges to: the profile with the per-step host
+        overhead folded into bias and α(R) (additive profiles only) and the drafter as the
+        model's draft term (the engine times its drafter separately)."""
+        model = self.capacity
+        if self.draft.a or self.draft.b:
+            model = replace(
+                model, draft=Curve((1.0, 4096.0), (self.draft(1.0), self.draft(4096.0)))
+            )
+        form = model.form
+        extra_a, extra_b = self.overhead.a, self.overhead.b
         if not isinstance(form, AdditiveModel) or (extra_a == 0 and extra_b == 0):
-            return self.capacity
+            return model
         knots = sorted({*form.alpha.knots, 1.0, 4096.0})
         vals = [float(form.alpha(k)) + extra_b * (k - 1.0) for k in knots]
         alpha = Curve(tuple(knots), tuple(vals))
         return replace(
-            self.capacity, form=replace(form, bias_s=form.bias_s + extra_a + extra_b, alpha=alpha)
+            model, form=replace(form, bias_s=form.bias_s + extra_a + extra_b, alpha=alpha)
         )
 
 
@@ -275,6 +281,7 @@ class Policy:
 
     name = "policy"
     speculative = True
+    skips_drafter = False  # plans before drafting, so K = 0 runs no drafter (engine lagged)
 
     def plan(
         self,
@@ -316,6 +323,7 @@ class ServingPolicy(Policy):
         self.planner = VerifyPlanner(
             m, gamma, capacity if needs else None, None, False, min_user_tps, False
         )
+        self.skips_drafter = self.planner.plans_before_drafting
 
     def plan(
         self,
@@ -325,7 +333,12 @@ class ServingPolicy(Policy):
         max_len: np.ndarray,
         ctx: int,
     ) -> np.ndarray:
-        return self.planner.plan(ids, _logit(conf), max_len, ctx).lengths
+        k = None
+        if self.planner.plans_before_drafting:  # as LLMEngine._draft: K first, then drafts
+            k = self.planner.budget(ids, max_len, ctx)
+            if k == 0:
+                return self.planner.skip(ids, max_len, ctx).lengths
+        return self.planner.plan(ids, _logit(conf), max_len, ctx, k).lengths
 
     def observe(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self.planner.prior = self.planner.prior.observe(lengths, accepted)
@@ -575,6 +588,8 @@ def simulate(
         kv = sum(r.prompt_len + r.generated + ell.get(r.rid, 0) for r in decoding)
         kv += sum(r.prompt_len - r.prefill_left + chunks[r.rid] for r in prefill)
         n_draft = len(drafting) if policy.speculative else 0
+        if policy.skips_drafter and not int(lens.sum()):
+            n_draft = 0  # the engine's lagged K = 0: a plain decode step, drafter not run
         dt = cost.step_seconds(len(running), num_tokens, kv, n_draft, sum(chunks.values()))
         now += dt
         emitted = 0

@@ -168,3 +168,21 @@ def test_run_cli_writes_tables_and_plots(tmp_path: Path) -> None:
     assert lags == {(1, 0), (1, 2), (8, 0), (8, 2)}
     assert {"lagged_vs_sync_min", "fig8_budget_shrinks_with_load"} <= set(summary["goals"])
     assert all(r["draft_quality_gain"] > 0 for r in summary["ablation"])
+
+
+def test_lagged_skips_a_drafter_that_cannot_pay_and_matches_no_spec() -> None:
+    """A drafter costing 5 steps per step: lagged plans K = 0 every step and never runs it, so it
+    runs exactly like no-spec; verify-all pays the drafter every step. A free drafter is used."""
+    gamma, c = 4, 8
+    bank = bernoulli_bank(0.6, gamma)
+    wl = Workload(prompt_lens=(16,), output_lens=(200,))
+    cfg = SimConfig(c, 4 * c, seed=2)
+    costly = CostModel(flat(), draft=Linear(5 * STEP))
+    ns = run_point(costly, "no-spec", bank, wl, cfg)
+    lag = run_point(costly, "lagged", bank, wl, cfg)
+    va = run_point(costly, "verify-all", bank, wl, cfg)
+    assert lag.output_throughput == pytest.approx(ns.output_throughput, rel=1e-9)
+    assert lag.accept_length == 1.0
+    assert va.output_throughput < 0.5 * ns.output_throughput
+    free = run_point(CostModel(flat()), "lagged", bank, wl, cfg)
+    assert free.output_throughput > 1.5 * ns.output_throughput
