@@ -99,6 +99,18 @@ def _generation_eos(model_path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+_MAX_PENDING_CTX_ROWS = 4096  # deferred drafter-context rows held at most (a few MB of taps)
+
+
+def _last_of_each(slot_ids: torch.Tensor) -> torch.Tensor:
+    """Indices of the last occurrence of each slot id, in order (index_put keeps no order among
+    duplicate indices, so duplicates are resolved here)."""
+    ids = slot_ids.cpu().numpy()
+    _, first_in_reversed = np.unique(ids[::-1], return_index=True)
+    keep = np.sort(ids.size - 1 - first_in_reversed)
+    return torch.from_numpy(keep).to(slot_ids.device)
+
+
 def _per_rank(per_expert: list[int], ep_size: int) -> tuple[int, ...]:
     """Routed pairs per EP rank: rank r owns the r-th contiguous block of experts."""
     if ep_size == 1 or not per_expert:
@@ -144,6 +156,9 @@ class LLMEngine:
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
         self._draft_seconds = 0.0
         self._planned_ids: frozenset[int] = frozenset()
+        # verified rows (taps, positions, slots) not yet projected into the drafter's context
+        self._pending_ctx: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_rows = 0
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -273,6 +288,7 @@ class LLMEngine:
         )
         self.runner.write_kv(slot_ids, h.kv.to(self.runner.device))
         if drafter is not None and h.draft_ctx is not None:
+            self._flush_draft_context()  # older rows for these (reused) slots must land first
             pos = torch.arange(n, device=self.runner.device)
             self.runner.write_draft_context(h.draft_ctx.to(self.runner.device), pos, slot_ids)
         detok = IncrementalDetokenizer(self.tokenizer, h.prompt_ids) if self.tokenizer else None
@@ -345,6 +361,7 @@ class LLMEngine:
                 self._last_plan = self.planner.skip(ids, max_len, ctx)
                 return None, {}
         t0 = time.perf_counter()
+        self._flush_draft_context()
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
         temps, _, _ = sampling_tensors([s.params for s in ready], self.runner.device)
         proposal = self.runner.draft(batch, temps, self._generators(ready))
@@ -383,9 +400,14 @@ class LLMEngine:
             rows += range(start, start + keep)
             start += s.num_new_tokens
         idx = torch.tensor(rows, device=taps.device)
-        c = self.runner.extend_draft_context(
-            taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx]
-        )
+        self._pending_ctx.append((taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx]))
+        self._pending_rows += len(rows)
+        handoff = any(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
+        if not handoff:
+            if self._pending_rows >= _MAX_PENDING_CTX_ROWS:
+                self._flush_draft_context()
+            return
+        c = self._flush_draft_context()[-len(rows) :]  # this step's rows come last
         start = 0
         for s in plan.seqs:  # prefill-only requests keep their C rows for the handoff
             n = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
@@ -393,6 +415,21 @@ class LLMEngine:
             if seq.prefill_only:
                 self._state[s.seq_id].ctx_chunks.append(c[start : start + n])
             start += n
+
+    def _flush_draft_context(self) -> torch.Tensor:
+        """Project every verified row not yet in the drafter's context, in one batch; -> C of
+        those rows. Deferred until the drafter next runs: a lagged K = 0 step has no use for
+        them, and one projection of many rows costs about what one of a few rows does. Rows go
+        in step order, and a slot written twice (its blocks freed and reused meanwhile) keeps
+        its newest row, exactly as if each step had written its own."""
+        if not self._pending_ctx:
+            return torch.empty(0)
+        taps, pos, slot_ids = (torch.cat(parts) for parts in zip(*self._pending_ctx, strict=True))
+        self._pending_ctx, self._pending_rows = [], 0
+        c = self.runner.drafter_context(taps)
+        keep = _last_of_each(slot_ids)
+        self.runner.write_draft_context(c[keep], pos[keep], slot_ids[keep])
+        return c
 
     def _count(
         self,

@@ -100,14 +100,10 @@ class ModelRunner:
         """Release what outlives the object (expert-parallel ranks); nothing on one rank."""
 
     @torch.inference_mode()
-    def extend_draft_context(
-        self, taps: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Project verified rows' taps into per-layer context K/V, store them by slot; -> C."""
+    def drafter_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """C = hidden_norm(fc(taps)) of verified rows (what a handoff carries)."""
         assert self.drafter is not None
-        c = self.drafter.project_context(taps)
-        self.write_draft_context(c, positions, slot_ids)
-        return c
+        return self.drafter.project_context(taps)
 
     @torch.inference_mode()
     def write_draft_context(

@@ -147,3 +147,11 @@ def test_bad_engine_options(hf_model_dir: Path) -> None:
         LLM(str(hf_model_dir), max_model_len=10**6)
     with pytest.raises(ConfigError, match="holds no block"):
         LLM(str(hf_model_dir), kv_cache_bytes=100)
+
+
+def test_deferred_draft_context_keeps_the_newest_row_of_a_reused_slot() -> None:
+    from dspark_sglang.engine.engine import _last_of_each
+
+    slots = torch.tensor([4, 7, 4, 9, 7, 4])
+    assert _last_of_each(slots).tolist() == [3, 4, 5]  # 9 once, 7 and 4 from their last rows
+    assert _last_of_each(torch.tensor([], dtype=torch.long)).tolist() == []
