@@ -59,6 +59,7 @@ class VerifyPlanner:
         self._next_k: Future[int] | None = None
         self.fallbacks: dict[str, int] = {}
         self._fallback = ""  # why this step's K fell back ("" = it did not)
+        self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -68,9 +69,14 @@ class VerifyPlanner:
     def _sps(self, r: int, ctx: int) -> np.ndarray:
         if self.capacity is None:
             return _NO_SPS
+        cache = self._sps_cache  # budget() and plan()/skip() of one step share it
+        if cache is not None and cache[0] == (r, ctx) and cache[2] is self.capacity:
+            return cache[1]
         # lagged: B = R skips the drafter; every other mode drafted before planning (sunk cost)
         draft = "when_verifying" if self.plans_before_drafting else "always"
-        return self.capacity.sps_array(r, r * (self.gamma + 1), ctx, draft=draft)
+        sps = self.capacity.sps_array(r, r * (self.gamma + 1), ctx, draft=draft)
+        self._sps_cache = ((r, ctx), sps, self.capacity)
+        return sps
 
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
@@ -85,8 +91,9 @@ class VerifyPlanner:
         sps = self._sps(r, ctx)
         self._submit_next(np.asarray(ids), sps, max_len)
         self._count_fallback()
-        predicted = self.capacity.predict(r, r, ctx) if self.capacity else math.nan
-        theta = float(r * sps[r]) if self.capacity and r < sps.size else math.nan
+        ok = self.capacity is not None and r < sps.size
+        predicted = 1.0 / float(sps[r]) if ok else math.nan  # B = R, no drafter
+        theta = float(r * sps[r]) if ok else math.nan
         return Plan(np.zeros(r, np.int64), 0, predicted, theta, self._fallback)
 
     def plan(
