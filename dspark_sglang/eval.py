@@ -122,6 +122,30 @@ def evaluate(
     return res
 
 
+def plot_per_position(
+    per_position: dict[str, list[float | None]], tau: dict[str, float], path: Path
+) -> None:
+    """Paper Fig. 2: P(draft k accepted | drafts < k accepted) per drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, cond in per_position.items():
+        ks = [k + 1 for k, c in enumerate(cond) if c is not None]
+        ax.plot(ks, [c for c in cond if c is not None], "o-", label=f"{name} (tau {tau[name]:.3f})")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("conditional acceptance")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_sglang.eval", description=__doc__)
     ap.add_argument("--model-path", default=str(bundled_target_dir()))
@@ -144,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument(
+        "--plot", type=Path, metavar="PNG", help="per-position conditional acceptance (Fig. 2)"
+    )
     args = ap.parse_args(argv)
     if args.num_prompts is not None and args.num_prompts < 1:
         ap.error("--num-prompts must be >= 1")
@@ -168,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": args.temperature,
         "results": results,
     }
+    if args.plot:
+        plot_per_position(report["per_position"], report["tau"], args.plot)
     if args.json:
         print(json.dumps(report))
     else:

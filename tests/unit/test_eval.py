@@ -42,9 +42,12 @@ def test_eval_json_on_chat_dataset(
             "--max-new-tokens",
             "20",
             "--json",
+            "--plot",
+            str(tmp_path / "fig2.png"),
         ]
     )
     assert rc == 0
+    assert (tmp_path / "fig2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = json.loads(capsys.readouterr().out)
     r = out["results"]["dspark"]
     assert out["num_prompts"] == 5 and r["rounds"] > 0
