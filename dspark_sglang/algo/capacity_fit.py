@@ -210,6 +210,7 @@ class LiveEstimator:
         # Drafter seconds per R: measured directly each drafting step, so a plain EWMA per R
         # (no regression); the prior's curve fills the R never seen.
         self._draft: dict[int, tuple[float, float]] = {}  # R -> (EWMA seconds, records)
+        self._draft_recent: deque[tuple[int, float]] = deque(maxlen=cfg.window)  # as _level
         moe = prior.moe
         self._pop = None
         if moe is not None:
@@ -246,6 +247,7 @@ class LiveEstimator:
         d = e - self._g - u
         self._resid.append(d)
         self._level.append(e - u)
+        self._draft_recent.append((rec.num_reqs, rec.draft_seconds if drafted else 0.0))
         sigma = self._sigma()
         z = max(-cfg.reject_z, min(cfg.reject_z, d / sigma))
         for side, zz in enumerate((z, -z)):
@@ -256,7 +258,19 @@ class LiveEstimator:
             # Restart the level from the records since the CUSUM last sat at zero: the drift began
             # there. A median of them ignores the odd spike that rode along.
             run = min(self._run[alarm[0]], len(self._level))
-            self._g = float(np.median(list(self._level)[-run:]))
+            old_g, self._g = self._g, float(np.median(list(self._level)[-run:]))
+            # Whatever slowed the forward (a CPU hog, a throttled GPU) slows the drafter on the
+            # same device alike: move its times by the same factor, then let its EWMA refine.
+            # An R drafted since the drift began restarts at the median of those times.
+            shift = math.exp(self._g - old_g)
+            since: dict[int, list[float]] = {}
+            for r, sec in list(self._draft_recent)[-run:]:
+                if sec > 0.0:
+                    since.setdefault(r, []).append(sec)
+            self._draft = {
+                r: (float(np.median(since[r])) if r in since else m * shift, n)
+                for r, (m, n) in self._draft.items()
+            }
             self._n_g = float(run)
             self._cusum, self._run = [0.0, 0.0], [0, 0]
             self.drift_events += 1

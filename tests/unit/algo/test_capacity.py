@@ -438,3 +438,25 @@ def test_estimator_learns_the_draft_term_and_keeps_the_forward_unbiased() -> Non
         assert float(m.draft_seconds(r)) == pytest.approx(0.003 + 0.0005 * r, rel=0.05)
     assert model_error(m) < 0.04
     assert est.mape < 0.06
+
+
+def test_a_drift_alarm_moves_the_draft_term_with_the_forward() -> None:
+    """Everything 2x slower from step 300 (forward and drafter): after the CUSUM alarm the
+    drafter's price is about 2x at once, not after its EWMA's 20-record memory: from the new
+    times where R drafted since the drift began (R = 8), by the forward's shift elsewhere (R = 4,
+    not seen after step 300)."""
+    rng = np.random.default_rng(5)
+    est = LiveEstimator(TRUTH)
+    for t in range(330):
+        slow = 2.0 if t >= 300 else 1.0
+        r = 4 if t < 300 and t % 2 else 8
+        b, c = r * int(rng.integers(1, 9)), r * 800
+        d = 0.0005 * r * slow * np.exp(rng.normal(0.0, 0.02))
+        y = slow * TRUTH.predict(r, b, c) * np.exp(rng.normal(0.0, 0.02)) + d
+        est.observe(StepRecord(t, r, b, 0, r, c, float(y), draft_seconds=float(d)))
+        if t == 299:
+            assert float(est.model.draft_seconds(8)) == pytest.approx(0.004, rel=0.03)
+            assert float(est.model.draft_seconds(4)) == pytest.approx(0.002, rel=0.03)
+    assert est.drift_events >= 1
+    assert float(est.model.draft_seconds(8)) == pytest.approx(0.008, rel=0.1)
+    assert float(est.model.draft_seconds(4)) == pytest.approx(0.004, rel=0.15)
