@@ -204,29 +204,35 @@ class DSparkDrafter(nn.Module):
         prev = anchors
         state = self.markov_head.init_state(h[:, 0]) if self.markov_head is not None else None
         greedy = temperatures <= 0
+        any_greedy = bool(greedy.any())  # host-side once, so sampled rows skip the one-hot path
         temp = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
         # All of a row's noise in one draw ([g, V], the same stream order as slot by slot).
         noise_all = torch.ones_like(base)
         for i, gen in enumerate(generators):
             if gen is not None:
                 noise_all[i].exponential_(generator=gen)
-        toks, qs, confs = [], [], []
+        toks, qs = [], []
         for k in range(g):
             logits = base[:, k]
-            if self.confidence_head is not None:
-                emb = self.markov_head.markov_w1(prev) if self.confidence_head.with_markov else None
-                confs.append(self.confidence_head(h[:, k], emb))
             if self.markov_head is not None:
                 bias, state = self.markov_head.step(h[:, k], prev, state)
                 logits = logits + bias.float()
             probs = torch.softmax(logits / temp, dim=-1)
             # Exponential race: argmax(p / E) is a draw from p; greedy rows keep E = 1.
             tok = torch.where(probs > 0, probs / noise_all[:, k], -1.0).argmax(dim=-1)
-            best = logits.argmax(-1)
-            q = torch.where(greedy[:, None], F.one_hot(best, probs.shape[-1]).float(), probs)
-            tok = torch.where(greedy, best, tok)
+            if any_greedy:
+                best = logits.argmax(-1)
+                probs = torch.where(
+                    greedy[:, None], F.one_hot(best, probs.shape[-1]).float(), probs
+                )
+                tok = torch.where(greedy, best, tok)
             toks.append(tok)
-            qs.append(q)
+            qs.append(probs)
             prev = tok
-        conf = torch.stack(confs, dim=1) if confs else None
-        return torch.stack(toks, dim=1), torch.stack(qs, dim=1), conf
+        tokens = torch.stack(toks, dim=1)  # [N, g]
+        conf = None
+        if self.confidence_head is not None:  # reads prev_k, all known now: one batched call
+            prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+            emb = self.markov_head.markov_w1(prevs) if self.confidence_head.with_markov else None
+            conf = self.confidence_head(h, emb)
+        return tokens, torch.stack(qs, dim=1), conf

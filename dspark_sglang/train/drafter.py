@@ -276,6 +276,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-temperature", type=float, default=1.0, help="sampling of the samples")
     p.add_argument("--gen-top-p", type=float, default=1.0)
     p.add_argument("--gen-top-k", type=int, default=0, help="0 = no top-k truncation")
+    p.add_argument("--gen-seed", type=int, help="seed of the generated samples (default --seed)")
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--num-draft-layers", type=int, default=2)
     p.add_argument(
@@ -310,7 +311,7 @@ def main(args: argparse.Namespace) -> None:
             args.num_samples,
             args.prompt_len,
             args.gen_len,
-            args.seed,
+            args.seed if args.gen_seed is None else args.gen_seed,
             (args.gen_temperature, args.gen_top_p, args.gen_top_k),
         )
         if args.samples is not None:
