@@ -2,9 +2,14 @@
 
 Runs the engine under steady load (closed loop, `--concurrency` requests in flight, speculative
 decoding with the chosen schedule mode), records every step's predicted vs measured seconds,
-injects a slowdown midway (a CPU hog process busy on every core), and reports the step-time MAPE
-after warm-up, before and after the slowdown, and how many steps the model took to re-converge.
-Writes a PNG of predicted vs measured step time.
+injects a slowdown midway, and reports the step-time MAPE after warm-up, before and after the
+slowdown, and how many steps the model took to re-converge. Writes a PNG of predicted vs measured
+step time.
+
+Slowdowns: `hog` starts a CPU hog process on every core (on a 2-core host the engine then runs in
+OS time slices, so step times turn bimodal); `throttle:F` makes every target forward and drafter
+pass take F times as long from then on (the engine sleeps (F-1) x the pass's time after it), a
+device that got slower, e.g. thermal throttling or a noisy neighbour on the accelerator.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import multiprocessing as mp
 import os
 import shlex
 import sys
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,6 +38,31 @@ def _hog(stop: mp.Event) -> None:  # type: ignore[valid-type]
     while not stop.is_set():  # type: ignore[attr-defined]
         for _ in range(10_000):
             x = x * 1.0000001 + 1e-9
+
+
+def throttled(fn: Callable, factor: float) -> Callable:
+    """fn, taking `factor` times as long (sleeps for the extra time after each call)."""
+
+    def call(*args: object, **kwargs: object) -> object:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        time.sleep((factor - 1.0) * (time.perf_counter() - t0))
+        return out
+
+    return call
+
+
+def parse_slowdown(text: str) -> tuple[str, float]:
+    if text == "hog":
+        return "hog", math.nan
+    kind, _, val = text.partition(":")
+    try:
+        factor = float(val)
+    except ValueError:
+        factor = math.nan
+    if kind != "throttle" or not factor > 1.0:
+        raise argparse.ArgumentTypeError(f"expected hog or throttle:F with F > 1, got {text!r}")
+    return kind, factor
 
 
 def rolling_mape(pred: np.ndarray, meas: np.ndarray, window: int) -> np.ndarray:
@@ -53,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--slowdown-at", type=int, default=450, help="step that starts the CPU hog")
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument(
+        "--slowdown",
+        type=parse_slowdown,
+        default="hog",
+        help="hog (CPU hog processes, --hogs of them) or throttle:F (passes take F x as long)",
+    )
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--window", type=int, default=50, help="rolling MAPE window (steps)")
     ap.add_argument("--plot", type=Path)
@@ -70,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     stop = mp.Event()
     hogs: list[mp.Process] = []
+    slowed = False
     i = 0
 
     def refill() -> None:
@@ -82,12 +121,18 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         while len(records) < args.steps:
-            if len(records) == args.slowdown_at and not hogs:
-                hogs = [
-                    mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(args.hogs)
-                ]
-                for h in hogs:
-                    h.start()
+            if len(records) == args.slowdown_at and not slowed:
+                slowed = True
+                kind, factor = args.slowdown
+                if kind == "hog":
+                    hogs = [
+                        mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(args.hogs)
+                    ]
+                    for h in hogs:
+                        h.start()
+                else:
+                    llm.runner.forward = throttled(llm.runner.forward, factor)  # type: ignore[method-assign]
+                    llm.runner.draft = throttled(llm.runner.draft, factor)  # type: ignore[method-assign]
             refill()
             llm.step()
     finally:
@@ -120,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "dspark_sglang.bench.capacity",
         "command": "python -m dspark_sglang.bench.capacity " + shlex.join(argv or sys.argv[1:]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "slowdown": "hog" if args.slowdown[0] == "hog" else f"throttle:{args.slowdown[1]:g}",
         "steps": len(records),
         "decode_steps_scored": int(idx.size),
         "mape_after_warmup_before_slowdown": float(ape[before].mean()) if before.any() else None,
@@ -141,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
         ax[0].plot(idx, meas * 1e3, ".", ms=2, label="measured")
         ax[0].plot(idx, pred * 1e3, "-", lw=1, label="predicted (live model)")
-        ax[0].axvline(args.slowdown_at, color="r", ls="--", lw=0.8, label="CPU hog starts")
+        what = "CPU hog" if args.slowdown[0] == "hog" else f"throttle x{args.slowdown[1]:g}"
+        ax[0].axvline(args.slowdown_at, color="r", ls="--", lw=0.8, label=f"{what} starts")
         ax[0].set_ylabel("step ms")
         ax[0].legend()
         ax[1].plot(idx, roll * 100, lw=1)
