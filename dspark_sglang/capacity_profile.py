@@ -246,6 +246,13 @@ def profile_from_report(
         form, buckets = fit_table(cols["B"], cols["median_s"], grid), grid
     else:
         raise ConfigError(f"kind: expected 'additive' or 'table', got {kind!r}")
+    draft = None
+    draft_points = report.get("draft_points") or []
+    if draft_points:  # the drafter's seconds per R (never falling as R grows)
+        r = np.asarray([get_field(p, "R", "report.draft_points[]") for p in draft_points], float)
+        t = np.asarray([get_field(p, "median_s", "report.draft_points[]") for p in draft_points])
+        order = np.argsort(r)
+        draft = Curve(tuple(r[order].tolist()), tuple(np.maximum.accumulate(t[order]).tolist()))
     hw = report.get("hardware", {})
     hardware = f"{hw.get('cpu', 'unknown cpu')} x{hw.get('num_threads', '?')} threads"
     if hw.get("gpu"):
@@ -259,14 +266,15 @@ def profile_from_report(
         "parallelism": {"tp": 1, "ep": 1, "dp": 1},
         "gamma": gamma,
         "buckets": list(buckets),
-        "model": CapacityModel(form).to_dict(),
+        "model": CapacityModel(form, draft=draft).to_dict(),
         "provenance": {
             "kind": "measured",
             "command": report.get("command", "python -m dspark_sglang.profile"),
             "date": report.get("date", dt.date.today().isoformat()),
             "version": tool_version(),
-            "notes": f"{len(points)} points, dtype {report.get('dtype')}, device "
-            f"{report.get('device')}, torch {report.get('torch')}; fit_{kind} in algo/capacity_fit",
+            "notes": f"{len(points)} points, {len(draft_points)} drafter points, dtype "
+            f"{report.get('dtype')}, device {report.get('device')}, torch {report.get('torch')}; "
+            f"fit_{kind} in algo/capacity_fit",
         },
     }
     return profile_to_dict(profile_from_dict(out))

@@ -21,9 +21,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dspark_sglang.config import DTYPES, ArchConfig, CacheConfig, ConfigError, ModelConfig
+from dspark_sglang.config import (
+    DTYPES,
+    ArchConfig,
+    CacheConfig,
+    ConfigError,
+    DraftConfig,
+    ModelConfig,
+)
 from dspark_sglang.engine.block_pool import BlockPool
-from dspark_sglang.engine.profiler import GridPoint, blocks_needed, time_point
+from dspark_sglang.engine.profiler import GridPoint, blocks_needed, time_draft, time_point
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.models.attention import create_backend
 from dspark_sglang.models.target import Qwen3ForCausalLM
@@ -103,7 +110,11 @@ def make_grid(args: argparse.Namespace) -> list[GridPoint]:
     return decode + verify
 
 
-def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def profile(
+    model_path: str, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(target forward points, drafter points: one drafting pass per R; empty without a
+    drafter)."""
     points = make_grid(args)
     page_size = CacheConfig().page_size
     # Size the pool to the largest point exactly: the default byte budget may be too small for a
@@ -117,7 +128,10 @@ def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             f"--context-len {args.context_len} plus {1 + max(args.verify_lens)} new tokens exceeds "
             f"the model's max_position_embeddings {limit}"
         )
-    runner = ModelRunner(ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg)
+    draft_cfg = DraftConfig(path=args.draft_model_path) if args.draft_model_path else None
+    runner = ModelRunner(
+        ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg, draft_cfg
+    )
     # The KV context is random, not a prefill of real tokens: attention cost does not depend on
     # the values, and random keys keep the attention and MoE routing away from degenerate zeros.
     kv_gen = torch.Generator(device=runner.device).manual_seed(SEED)
@@ -126,10 +140,16 @@ def profile(model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         v.normal_(generator=kv_gen)
     gen = torch.Generator().manual_seed(SEED)  # token ids, drawn on the host
     pool = BlockPool(runner.num_blocks, runner.page_size)
-    return [
+    rows = [
         time_point(runner, pool, p, args.repeats, args.warmup, gen)
         for p in tqdm(points, desc="profile", file=sys.stderr, disable=args.json)
     ]
+    drafts = []
+    if runner.drafter is not None:  # the capacity model's draft term: one pass per R
+        for r in sorted({*args.num_reqs, *args.batch_sizes}):
+            secs = time_draft(runner, pool, r, args.context_len, args.repeats, args.warmup, gen)
+            drafts.append({"R": r, "ctx": args.context_len, "median_s": secs})
+    return rows, drafts
 
 
 def _int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
@@ -191,6 +211,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="small grid (well under 30 s on 2 CPU cores)"
     )
+    p.add_argument(
+        "--draft-model-path",
+        metavar="PATH",
+        help="also time this drafter (one drafting pass per R; needs --model-path): the capacity "
+        "model's draft term, written into --write-profile",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
@@ -220,6 +246,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, key, value)
     if args.model_path is not None and not Path(args.model_path).is_dir():
         p.error(f"argument --model-path: {args.model_path!r} is not a directory")
+    if args.draft_model_path is not None:
+        if args.model_path is None:
+            p.error("argument --draft-model-path: needs --model-path (the drafter's target)")
+        if not Path(args.draft_model_path).is_dir():
+            p.error(f"argument --draft-model-path: {args.draft_model_path!r} is not a directory")
+        if args.ep_size > 1:
+            p.error("argument --draft-model-path: not supported with --ep-size")
     if args.output is not None and not Path(args.output).parent.is_dir():
         p.error(f"argument --output: directory of {args.output!r} does not exist")
     if args.write_profile is not None and not Path(args.write_profile).parent.is_dir():
@@ -241,6 +274,10 @@ def format_table(report: dict[str, Any]) -> str:
             f"{pt['median_s'] * 1e3:>11.2f}{pt['p10_s'] * 1e3:>9.2f}{pt['p90_s'] * 1e3:>9.2f}"
             f"{pt['B'] / pt['median_s']:>10.0f}"
         )
+    for pt in report.get("draft_points", []):
+        lines.append(
+            f"{'draft':<7}{pt['R']:>5}{'':>8}{'':>6}{pt['ctx']:>6}{pt['median_s'] * 1e3:>11.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -261,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             if model_path is None:
                 write_synthetic_model(Path(tmp))
                 model_path = tmp
-            points = profile(model_path, args)
+            points, draft_points = profile(model_path, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -279,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "-m", "dspark_sglang.profile", *argv]),
         "points": points,
     }
+    if args.draft_model_path:
+        report["drafter"] = args.draft_model_path
+        report["draft_points"] = draft_points
     if args.device.startswith("cuda"):
         report["hardware"]["gpu"] = torch.cuda.get_device_name(args.device)
     line = json.dumps(report)
@@ -290,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         name = args.profile_name or Path(args.write_profile).stem
         target = args.model_path or SYNTHETIC_NAME
         save_profile(
-            profile_from_report(report, name=name, gamma=args.gamma, target=target),
+            profile_from_report(
+                report, name=name, gamma=args.gamma, target=target, drafter=args.draft_model_path
+            ),
             args.write_profile,
         )
     print(line if args.json else format_table(report))

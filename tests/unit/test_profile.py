@@ -111,6 +111,7 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model-path", "/nonexistent/model"], "--model-path"),
         (["--model-path"], "--model-path"),
         (["--output", "/nonexistent/dir/p.json"], "--output"),
+        (["--draft-model-path", "/tmp"], "--draft-model-path"),  # no --model-path
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
@@ -162,3 +163,27 @@ def test_write_profile_round_trips_through_the_engine_loader(tmp_path: Path) -> 
     prof = load_profile(out)
     assert prof.provenance.kind == "measured" and "dspark_sglang.profile" in prof.provenance.command
     assert prof.model.predict(2, 6) > prof.model.predict(1, 1) > 0
+
+
+def test_drafter_points_become_the_profile_draft_term(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dspark_sglang.capacity_profile import load_profile
+    from tests.conftest import write_drafter, write_hf_model
+
+    target = write_hf_model(tmp_path / "t", moe=True)
+    drafter = write_drafter(tmp_path / "d", target, block_size=4)
+    out = tmp_path / "cpu.yaml"
+    argv = ["--quick", "--json", "--model-path", str(target), "--draft-model-path", str(drafter)]
+    argv += ["--batch-sizes", "1,2", "--verify-lens", "0,2", "--num-reqs", "1,4"]
+    argv += ["--context-len", "16", "--repeats", "2", "--warmup", "0", "--write-profile", str(out)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["R"] for p in report["draft_points"]] == [1, 2, 4]
+    assert all(p["median_s"] > 0 for p in report["draft_points"])
+    prof = load_profile(out)
+    assert prof.drafter == str(drafter)
+    model = prof.model
+    assert model.draft is not None and model.draft.knots == (1.0, 2.0, 4.0)
+    assert model.draft_seconds(4) >= model.draft_seconds(1) > 0  # never falling in R
+    assert model.predict(1, 3, 32, drafted=True) > model.predict(1, 3, 32)
