@@ -281,7 +281,7 @@ class Policy:
 
     name = "policy"
     speculative = True
-    skips_drafter = False  # plans before drafting, so K = 0 runs no drafter (engine lagged)
+    ran_drafter = True  # False after a plan() that skipped the drafter (engine lagged K = 0)
 
     def plan(
         self,
@@ -323,7 +323,6 @@ class ServingPolicy(Policy):
         self.planner = VerifyPlanner(
             m, gamma, capacity if needs else None, None, False, min_user_tps, False
         )
-        self.skips_drafter = self.planner.plans_before_drafting
 
     def plan(
         self,
@@ -334,9 +333,11 @@ class ServingPolicy(Policy):
         ctx: int,
     ) -> np.ndarray:
         k = None
+        self.ran_drafter = True
         if self.planner.plans_before_drafting:  # as LLMEngine._draft: K first, then drafts
             k = self.planner.budget(ids, max_len, ctx)
-            if k == 0:
+            if k == 0 and not self.planner.should_probe():
+                self.ran_drafter = False
                 return self.planner.skip(ids, max_len, ctx).lengths
         return self.planner.plan(ids, _logit(conf), max_len, ctx, k).lengths
 
@@ -588,7 +589,7 @@ def simulate(
         kv = sum(r.prompt_len + r.generated + ell.get(r.rid, 0) for r in decoding)
         kv += sum(r.prompt_len - r.prefill_left + chunks[r.rid] for r in prefill)
         n_draft = len(drafting) if policy.speculative else 0
-        if policy.skips_drafter and not int(lens.sum()):
+        if not policy.ran_drafter:
             n_draft = 0  # the engine's lagged K = 0: a plain decode step, drafter not run
         dt = cost.step_seconds(len(running), num_tokens, kv, n_draft, sum(chunks.values()))
         now += dt

@@ -357,7 +357,8 @@ class LLMEngine:
         k = None
         if self.planner.plans_before_drafting:
             k = self.planner.budget(ids, max_len, ctx)
-            if k == 0:  # nothing will be verified: a plain decode step, without the drafter
+            if k == 0 and not self.planner.should_probe():
+                # nothing will be verified: a plain decode step, without the drafter
                 self._last_plan = self.planner.skip(ids, max_len, ctx)
                 return None, {}
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ from dspark_sglang.algo.verify_budget import (
 from dspark_sglang.types import StepRecord
 
 _NO_SPS = np.ones(1)  # modes that never read a capacity curve
+PROBE_MIN, PROBE_MAX = 8, 256  # lagged K = 0: steps between drafting probes (doubling)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class VerifyPlanner:
         self.fallbacks: dict[str, int] = {}
         self._fallback = ""  # why this step's K fell back ("" = it did not)
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
+        self._since_draft = 0  # lagged: steps since the drafter last ran
+        self._probe_every = PROBE_MIN
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -84,11 +87,22 @@ class VerifyPlanner:
         k, self._fallback = self._lagged_k(np.asarray(ids), self._sps(len(ids), ctx), max_len)
         return k
 
+    def should_probe(self) -> bool:
+        """Lagged K = 0, but draft anyway this step (verifying nothing) to refresh the survival
+        history: without drafts it only holds old confidences and the prior, and a pessimistic
+        prior would keep K at 0 forever even where drafting pays. Probes back off exponentially
+        (PROBE_MIN to PROBE_MAX steps apart) while they keep finding K = 0."""
+        return self._since_draft >= self._probe_every
+
     def skip(self, ids: list[int], max_len: np.ndarray, ctx: int) -> Plan:
-        """Lagged K = 0: no drafter this step. Nothing new enters the history; the next K is
-        planned from what it holds, as usual, while this forward runs."""
+        """Lagged K = 0: no drafter this step. The newest snapshot is pushed again, so `lag`
+        pushes stay `lag` steps; the next K is planned from the history as usual, while this
+        forward runs."""
         r = len(ids)
         sps = self._sps(r, ctx)
+        self._since_draft += 1
+        if self.history.snapshots:
+            self.history = self.history.push(*self.history.snapshots[-1])
         self._submit_next(np.asarray(ids), sps, max_len)
         self._count_fallback()
         ok = self.capacity is not None and r < sps.size
@@ -117,6 +131,11 @@ class VerifyPlanner:
             if k is None:
                 k = self.budget(ids, max_len, ctx)
             lens = assign_top_k(surv, k, max_len=max_len)
+            # a probe (K = 0) that finds nothing worth verifying waits twice as long next time
+            self._probe_every = (
+                min(2 * self._probe_every, PROBE_MAX) if k == 0 else PROBE_MIN
+            )
+            self._since_draft = 0
         else:
             lens = plan_verify_lengths(
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps

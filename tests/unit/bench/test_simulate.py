@@ -171,8 +171,9 @@ def test_run_cli_writes_tables_and_plots(tmp_path: Path) -> None:
 
 
 def test_lagged_skips_a_drafter_that_cannot_pay_and_matches_no_spec() -> None:
-    """A drafter costing 5 steps per step: lagged plans K = 0 every step and never runs it, so it
-    runs exactly like no-spec; verify-all pays the drafter every step. A free drafter is used."""
+    """A drafter costing 5 steps per step: lagged plans K = 0 every step and runs it only on its
+    sparse, backing-off probes, so it runs within a few % of no-spec; verify-all pays the drafter
+    every step. A free drafter is used."""
     gamma, c = 4, 8
     bank = bernoulli_bank(0.6, gamma)
     wl = Workload(prompt_lens=(16,), output_lens=(200,))
@@ -181,7 +182,7 @@ def test_lagged_skips_a_drafter_that_cannot_pay_and_matches_no_spec() -> None:
     ns = run_point(costly, "no-spec", bank, wl, cfg)
     lag = run_point(costly, "lagged", bank, wl, cfg)
     va = run_point(costly, "verify-all", bank, wl, cfg)
-    assert lag.output_throughput == pytest.approx(ns.output_throughput, rel=1e-9)
+    assert 0.9 * ns.output_throughput < lag.output_throughput < ns.output_throughput
     assert lag.accept_length == 1.0
     assert va.output_throughput < 0.5 * ns.output_throughput
     free = run_point(CostModel(flat()), "lagged", bank, wl, cfg)
