@@ -101,6 +101,55 @@ class AcceptancePrior:
         return AcceptancePrior(rates=tuple(float(x) for x in new), alpha=self.alpha)
 
 
+@dataclass(frozen=True, slots=True)
+class ConfidenceCorrection:
+    """Live recalibration of the confidence head from verified drafts: c'[k] = min(c[k]·ρ_k, 1).
+
+    The head (and its STS temperatures) is calibrated at one sampling temperature; served traffic
+    samples at others (greedy accepts far more than T = 1) and drifts. Position k's ratio is
+    ρ_k = (observed + w·g) / (predicted + w) over its conditional trials (verified, every earlier
+    draft accepted): observed counts the accepted ones and predicted sums their raw confidences,
+    both decayed by (1 − α) per trial (a memory of about 1/α trials); g is the same ratio over all
+    positions, so a position with few trials follows the global one. Starts at ρ = 1."""
+
+    pred: tuple[float, ...]
+    obs: tuple[float, ...]
+    alpha: float = 0.01
+    weight: float = 4.0  # pseudo-trials pulling ρ_k toward the global ratio (and g toward 1)
+
+    @classmethod
+    def identity(cls, gamma: int, alpha: float = 0.01) -> ConfidenceCorrection:
+        return cls((0.0,) * gamma, (0.0,) * gamma, alpha)
+
+    @property
+    def ratios(self) -> np.ndarray:
+        pred, obs = np.asarray(self.pred), np.asarray(self.obs)
+        g = (obs.sum() + self.weight) / (pred.sum() + self.weight)
+        return (obs + self.weight * g) / (pred + self.weight)
+
+    def apply(self, confidences: np.ndarray) -> np.ndarray:
+        return np.minimum(np.asarray(confidences, np.float64) * self.ratios, 1.0)
+
+    def observe(
+        self, confidences: np.ndarray, verify_lens: np.ndarray, accepted_lens: np.ndarray
+    ) -> ConfidenceCorrection:
+        """After a step: raw confidences [n, γ] of the verified rows, their ℓ and accepted n."""
+        c = np.asarray(confidences, np.float64)
+        lens = np.asarray(verify_lens, np.int64)[:, None]
+        acc = np.asarray(accepted_lens, np.int64)[:, None]
+        k = np.arange(1, c.shape[1] + 1)[None, :]
+        trial = (lens >= k) & (acc >= k - 1)  # [n, γ]
+        n = trial.sum(axis=0)
+        if not n.any():
+            return self
+        keep = (1.0 - self.alpha) ** n  # n trials folded in one at a time, at their mean
+        pred = np.asarray(self.pred) * keep + (c * trial).sum(axis=0)
+        obs = np.asarray(self.obs) * keep + (trial & (acc >= k)).sum(axis=0)
+        return ConfidenceCorrection(
+            tuple(pred.tolist()), tuple(obs.tolist()), self.alpha, self.weight
+        )
+
+
 @dataclass(frozen=True, slots=True, eq=False)  # holds arrays: compare by identity
 class SurvivalHistory:
     """Ring buffer of the last `depth` published (request ids, survival) snapshots, one per step.

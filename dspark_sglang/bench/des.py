@@ -293,7 +293,7 @@ class Policy:
     ) -> np.ndarray:
         raise NotImplementedError
 
-    def observe(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+    def observe(self, lengths: np.ndarray, accepted: np.ndarray, ids: list[int]) -> None:
         pass
 
 
@@ -341,8 +341,8 @@ class ServingPolicy(Policy):
                 return self.planner.skip(ids, max_len, ctx).lengths
         return self.planner.plan(ids, _logit(conf), max_len, ctx, k).lengths
 
-    def observe(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
-        self.planner.prior = self.planner.prior.observe(lengths, accepted)
+    def observe(self, lengths: np.ndarray, accepted: np.ndarray, ids: list[int]) -> None:
+        self.planner.observe_acceptance(lengths, accepted, ids)
 
 
 class _SpsPolicy(Policy):
@@ -611,7 +611,7 @@ def simulate(
                 r.first, r.generated = now, 1
                 emitted += 1
         if policy.speculative and len(lens):
-            policy.observe(lens, acc_real)
+            policy.observe(lens, acc_real, [r.rid for r in drafting])
         k_sum = int(lens.sum()) if len(lens) else 0
         steps.append((now, dt, emitted, len(running), len(drafting), k_sum, num_tokens))
         if on_step is not None:

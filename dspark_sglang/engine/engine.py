@@ -508,6 +508,7 @@ class LLMEngine:
                 np.array([len(s.draft_ids) for s in verified], dtype=np.int64),
                 np.array([accepted.get(s.seq_id, 0) for s in verified], dtype=np.int64),
                 rec,
+                [s.seq_id for s in verified],
             )
         if self.on_step is not None:
             self.on_step(rec)

@@ -16,7 +16,13 @@ import numpy as np
 
 from dspark_sglang.algo.capacity import CapacityModel
 from dspark_sglang.algo.capacity_fit import LiveEstimator
-from dspark_sglang.algo.survival import AcceptancePrior, SurvivalHistory, sts_confidences, survival
+from dspark_sglang.algo.survival import (
+    AcceptancePrior,
+    ConfidenceCorrection,
+    SurvivalHistory,
+    sts_confidences,
+    survival,
+)
 from dspark_sglang.algo.verify_budget import (
     ScheduleMode,
     assign_top_k,
@@ -63,6 +69,11 @@ class VerifyPlanner:
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
         self._since_draft = 0  # lagged: steps since the drafter last ran
         self._probe_every = PROBE_MIN
+        # live recalibration of the confidences (capacity-driven modes only)
+        self.correction = ConfidenceCorrection.identity(gamma)
+        self._corrects = mode.name in ("sync", "lagged")
+        self._raw_conf: dict[int, np.ndarray] = {}  # this step's raw confidence row per request
+        self._last_raw: tuple[np.ndarray, np.ndarray] | None = None  # the last drafted step's
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -95,13 +106,18 @@ class VerifyPlanner:
         return self._since_draft >= self._probe_every
 
     def skip(self, ids: list[int], max_len: np.ndarray, ctx: int) -> Plan:
-        """Lagged K = 0: no drafter this step. The newest snapshot is pushed again, so `lag`
-        pushes stay `lag` steps; the next K is planned from the history as usual, while this
-        forward runs."""
+        """Lagged K = 0: no drafter this step. The last drafted step's confidences are pushed
+        again, under the confidence correction as it stands now (so `lag` pushes stay `lag`
+        steps, and what probes verified reaches K); the next K is planned from the history as
+        usual, while this forward runs."""
         r = len(ids)
         sps = self._sps(r, ctx)
         self._since_draft += 1
-        if self.history.snapshots:
+        if self._last_raw is not None:  # the last drafts' confidences, under today's correction
+            last_ids, raw = self._last_raw
+            conf = self.correction.apply(raw) if self._corrects else raw
+            self.history = self.history.push(last_ids, survival(conf))
+        elif self.history.snapshots:
             self.history = self.history.push(*self.history.snapshots[-1])
         self._submit_next(np.asarray(ids), sps, max_len)
         self._count_fallback()
@@ -120,21 +136,24 @@ class VerifyPlanner:
     ) -> Plan:
         """Verify lengths for this step's drafts; lagged mode takes the K `budget` returned."""
         r = len(ids)
-        conf = (
-            sts_confidences(conf_logits, self.sts)
-            if conf_logits is not None
-            else np.ones((r, self.gamma))
-        )
+        if conf_logits is not None:
+            raw = sts_confidences(conf_logits, self.sts)
+            self._raw_conf = dict(zip(ids, raw, strict=True))
+            self._last_raw = (np.asarray(ids), raw)
+            conf = self.correction.apply(raw) if self._corrects else raw
+        else:
+            conf = np.ones((r, self.gamma))
         surv = survival(conf)
         sps = self._sps(r, ctx)
         if self.plans_before_drafting:
             if k is None:
                 k = self.budget(ids, max_len, ctx)
-            lens = assign_top_k(surv, k, max_len=max_len)
+            # A probe verifies every draft it made: acceptance evidence at each position for the
+            # confidence correction, which a head calibrated at another sampling temperature
+            # needs before its survival can justify K > 0.
+            lens = assign_top_k(surv, k if k > 0 else int(max_len.sum()), max_len=max_len)
             # a probe (K = 0) that finds nothing worth verifying waits twice as long next time
-            self._probe_every = (
-                min(2 * self._probe_every, PROBE_MAX) if k == 0 else PROBE_MIN
-            )
+            self._probe_every = min(2 * self._probe_every, PROBE_MAX) if k == 0 else PROBE_MIN
             self._since_draft = 0
         else:
             lens = plan_verify_lengths(
@@ -177,14 +196,32 @@ class VerifyPlanner:
         k = self._k_from_history(self.history, ids, self.prior, sps, max_len)
         return k, ("no_overlap_plan" if self._pool is not None else "")
 
-    def observe(self, verify_lens: np.ndarray, accepted: np.ndarray, rec: StepRecord) -> None:
-        """After a step: update the acceptance prior and the live capacity model."""
-        if verify_lens.size:
-            self.prior = self.prior.observe(verify_lens, accepted)
+    def observe(
+        self,
+        verify_lens: np.ndarray,
+        accepted: np.ndarray,
+        rec: StepRecord,
+        ids: list[int] | None = None,
+    ) -> None:
+        """After a step: update the acceptance prior, the confidence correction (given the
+        verified rows' request ids, in the order of the arrays) and the live capacity model."""
+        self.observe_acceptance(verify_lens, accepted, ids)
         if self.estimator is not None:
             new = self.estimator.observe(rec)
             if new is not None:  # swap at the step boundary
                 self.capacity = new
+
+    def observe_acceptance(
+        self, verify_lens: np.ndarray, accepted: np.ndarray, ids: list[int] | None = None
+    ) -> None:
+        if not verify_lens.size:
+            return
+        self.prior = self.prior.observe(verify_lens, accepted)
+        rows = [i for i, sid in enumerate(ids or ()) if sid in self._raw_conf]
+        if self._corrects and rows:
+            assert ids is not None
+            conf = np.stack([self._raw_conf[ids[i]] for i in rows])
+            self.correction = self.correction.observe(conf, verify_lens[rows], accepted[rows])
 
     def close(self) -> None:
         if self._pool is not None:

@@ -143,3 +143,23 @@ def test_history_is_an_immutable_value() -> None:
         h.lagged(np.array([1]), 0, prior)
     with pytest.raises(ValueError, match="gamma"):
         h.lagged(np.array([1]), 1, AcceptancePrior.uniform(3))
+
+
+def test_confidence_correction_learns_the_observed_acceptance() -> None:
+    from dspark_sglang.algo.survival import ConfidenceCorrection
+
+    c = ConfidenceCorrection.identity(4)
+    conf = np.full((8, 4), 0.6)
+    np.testing.assert_allclose(c.ratios, 1.0)
+    np.testing.assert_allclose(c.apply(conf), conf)
+    assert c.observe(conf, np.zeros(8, np.int64), np.zeros(8, np.int64)) is c  # no trials
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # true conditional acceptance 0.9 at the first two positions
+        hits = rng.random((8, 2)) < 0.9
+        acc = np.where(hits[:, 0], np.where(hits[:, 1], 2, 1), 0)
+        c = c.observe(conf, np.full(8, 2), acc)
+    r = c.ratios
+    assert abs(r[0] - 1.5) < 0.1 and abs(r[1] - 1.5) < 0.1
+    # positions 3 and 4 were never verified: they follow the global ratio
+    assert abs(r[2] - 1.5) < 0.1 and abs(r[3] - r[2]) < 1e-12
+    assert c.apply(np.array([[0.6, 0.6, 0.8, 0.99]])).max() <= 1.0

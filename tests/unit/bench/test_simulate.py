@@ -183,7 +183,7 @@ def test_lagged_skips_a_drafter_that_cannot_pay_and_matches_no_spec() -> None:
     lag = run_point(costly, "lagged", bank, wl, cfg)
     va = run_point(costly, "verify-all", bank, wl, cfg)
     assert 0.9 * ns.output_throughput < lag.output_throughput < ns.output_throughput
-    assert lag.accept_length == 1.0
+    assert lag.accept_length < 1.2  # only the sparse probes verify
     assert va.output_throughput < 0.5 * ns.output_throughput
     free = run_point(CostModel(flat()), "lagged", bank, wl, cfg)
     assert free.output_throughput > 1.5 * ns.output_throughput
