@@ -73,7 +73,8 @@ class VerifyPlanner:
         self.correction = ConfidenceCorrection.identity(gamma)
         self._corrects = mode.name in ("sync", "lagged")
         self._raw_conf: dict[int, np.ndarray] = {}  # this step's raw confidence row per request
-        self._last_raw: tuple[np.ndarray, np.ndarray] | None = None  # the last drafted step's
+        # (request ids, raw confidences) of the last step that drafted; skipped steps re-push it
+        self._last_raw: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -99,10 +100,11 @@ class VerifyPlanner:
         return k
 
     def should_probe(self) -> bool:
-        """Lagged K = 0, but draft anyway this step (verifying nothing) to refresh the survival
-        history: without drafts it only holds old confidences and the prior, and a pessimistic
-        prior would keep K at 0 forever even where drafting pays. Probes back off exponentially
-        (PROBE_MIN to PROBE_MAX steps apart) while they keep finding K = 0."""
+        """Lagged K = 0, but draft anyway this step and verify the drafts, to refresh the survival
+        history and the confidence correction: without drafts the history only holds old
+        confidences and the prior, and a pessimistic prior would keep K at 0 forever even where
+        drafting pays. Probes back off exponentially (PROBE_MIN to PROBE_MAX steps apart) while
+        they keep finding K = 0."""
         return self._since_draft >= self._probe_every
 
     def skip(self, ids: list[int], max_len: np.ndarray, ctx: int) -> Plan:
