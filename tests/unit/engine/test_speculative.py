@@ -245,17 +245,11 @@ def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     spec.close()
 
 
-def test_lagged_probes_its_way_out_of_a_pessimistic_prior(
-    pair: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """The fresh-request prior (acceptance 0.5) says a drafter costing two forwards does not pay,
-    so lagged starts at K = 0 and skips the drafter; its probes see confidences near 1 (and
-    they are right: the drafter proposes the target's own continuation), and K follows."""
+def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:
+    """Lagged, one request at a time, a fixed curve (live refit off) whose drafter costs two
+    forwards: drafting pays only when most drafts are accepted."""
     target, drafter = pair
-    ps = prompts(3, seed=5)
-    ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
-    want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
-    spec = LLM(
+    return LLM(
         str(target),
         draft_model=str(drafter),
         schedule_mode="lagged",
@@ -265,6 +259,19 @@ def test_lagged_probes_its_way_out_of_a_pessimistic_prior(
         num_blocks=128,
         page_size=4,
     )
+
+
+def test_lagged_probes_its_way_out_of_a_pessimistic_prior(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The fresh-request prior (acceptance 0.5) says a drafter costing two forwards does not pay,
+    so lagged starts at K = 0 and skips the drafter; its probes see confidences near 1 (and
+    they are right: the drafter proposes the target's own continuation), and K follows."""
+    target, _ = pair
+    ps = prompts(3, seed=5)
+    ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
+    spec = lagged_with_costly_drafter(pair, tmp_path)
     spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
     outs = spec.generate(ps, GREEDY)
     assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
@@ -278,21 +285,12 @@ def test_lagged_corrects_a_confidence_head_that_underestimates(
     """Every draft is right but the head says 0.5 (a head calibrated for another temperature):
     by those confidences a drafter costing two forwards never pays, so at first only the probes
     verify; their acceptance lifts the live correction and K follows."""
-    target, drafter = pair
+    target, _ = pair
     ps = prompts(1, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=120)
     ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, params)
     want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
-    spec = LLM(
-        str(target),
-        draft_model=str(drafter),
-        schedule_mode="lagged",
-        live_capacity=False,
-        max_running_requests=1,
-        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, 0.02)),
-        num_blocks=128,
-        page_size=4,
-    )
+    spec = lagged_with_costly_drafter(pair, tmp_path)
     spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0, conf_logit=0.0)  # type: ignore[method-assign]
     outs = spec.generate(ps, params)
     assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
