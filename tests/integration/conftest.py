@@ -108,7 +108,12 @@ class Cluster:
             self.start("prefill", i)
         for i in range(num_decode):
             self.start("decode", i)
-        self.wait_ready()
+        # every worker, not just the first of each role: tests that place work on a given
+        # worker (least-loaded alternation) must not start while one is still booting
+        names = [f"prefill{i}" for i in range(num_prefill)] + [
+            f"decode{i}" for i in range(num_decode)
+        ]
+        self.wait_ready(workers=tuple(names))
         return self
 
     def wait_ready(self, workers: tuple[str, ...] = (), timeout: float = READY_TIMEOUT_S) -> None:
