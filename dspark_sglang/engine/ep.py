@@ -31,14 +31,14 @@ import torch.distributed as dist
 from dspark_sglang.config import ArchConfig, Config, ParallelConfig
 from dspark_sglang.engine.batch import ForwardBatch
 from dspark_sglang.engine.runner import ModelRunner, RunOutput
-from dspark_sglang.models.attention import AttentionMetadata
+from dspark_sglang.models.attention import AttentionGroup, AttentionMetadata
 from dspark_sglang.models.moe import ExpertParallel
 
 OP_FORWARD, OP_WRITE_KV, OP_STOP = 1, 2, 3
 START_TIMEOUT_S = 300.0  # followers load the model; a rank that is not up by then fails start-up
 RANK_FAILURE_EXIT = 70  # exit status of a worker whose watchdog saw a rank die
 _IDLE = timedelta(days=365)  # ctrl-group timeout: an idle engine sends nothing for a long time
-_HEADER = 64  # int64 words: op, payload bytes, #tensors, #scalars, scalars, per-tensor layout
+_HEADER = 1024  # int64 words: op, payload bytes, #tensors, #scalars, scalars, per-tensor layout
 _MAX_DIMS = 4
 _WIRE_DTYPES = (torch.int64, torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 T = TypeVar("T")
@@ -149,16 +149,30 @@ def batch_message(b: ForwardBatch) -> tuple[list[torch.Tensor], list[int]]:
     """What a follower needs to run the same target forward: ids, positions, attention metadata
     (sampling and taps stay on rank 0)."""
     a = b.attn
-    tensors = [b.input_ids, b.positions, a.slot_mapping, a.q_seq, a.q_off, a.kv_slots, a.mask]
-    return tensors, [a.num_seqs, a.max_q, b.num_tokens, b.kv_tokens]
+    tensors = [b.input_ids, b.positions, a.slot_mapping]
+    scalars = [b.num_tokens, b.kv_tokens, len(a.groups)]
+    for g in a.groups:
+        rows = g.rows if g.rows is not None else torch.empty(0, dtype=torch.long)
+        tensors += [rows, g.q_seq, g.q_off, g.kv_slots, g.mask]
+        scalars += [g.num_seqs, g.max_q, int(g.rows is not None)]
+    return tensors, scalars
 
 
 def batch_from_message(
     tensors: list[torch.Tensor], scalars: list[int], device: str
 ) -> ForwardBatch:
-    ids, pos, slot_mapping, q_seq, q_off, kv_slots, mask = (t.to(device) for t in tensors)
-    num_seqs, max_q, num_tokens, kv_tokens = scalars
-    attn = AttentionMetadata(slot_mapping, q_seq, q_off, kv_slots, mask, num_seqs, max_q)
+    ids, pos, slot_mapping, *rest = (t.to(device) for t in tensors)
+    num_tokens, kv_tokens, num_groups = scalars[:3]
+    groups = []
+    for i in range(num_groups):
+        rows, q_seq, q_off, kv_slots, mask = rest[5 * i : 5 * i + 5]
+        num_seqs, max_q, has_rows = scalars[3 + 3 * i : 6 + 3 * i]
+        groups.append(
+            AttentionGroup(
+                rows if has_rows else None, q_seq, q_off, kv_slots, mask, num_seqs, max_q
+            )
+        )
+    attn = AttentionMetadata(slot_mapping, groups)
     no_rows = torch.empty(0, dtype=torch.long, device=device)  # no logits on followers
     return ForwardBatch(ids, pos, attn, no_rows, [], [], num_tokens, kv_tokens)
 

@@ -21,21 +21,83 @@ from dspark_sglang.models.layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences padded together into one SDPA call.
+
+    Region map of the padded layout: sequence r of the group owns query rows [0, q_len[r]) of
+    q_pad[r] and key columns [0, kv_len[r]) of kv_slots[r]; key j holds position j of that
+    sequence, so the causal rule is simply key j visible to query i iff j <= start_pos[r] + i.
+    """
+
+    rows: torch.Tensor | None  # [Tg] rows of the flat batch it owns; None = all, in order
+    q_seq: torch.Tensor  # [Tg] which of the group's sequences a new token belongs to
+    q_off: torch.Tensor  # [Tg] its offset among that sequence's new tokens
+    kv_slots: torch.Tensor  # [Rg, Lg] flat KV slot of each context position (0 = padding)
+    mask: torch.Tensor  # [Rg, 1, Qg, Lg] bool, True = attend
+    num_seqs: int
+    max_q: int
+
+
+@dataclass
 class AttentionMetadata:
     """Index tensors for one ragged forward of T new tokens from R sequences.
 
-    Region map of the padded layout: sequence r owns query rows [0, q_len[r]) of q_pad[r] and key
-    columns [0, kv_len[r]) of kv_slots[r]; key j holds position j of that sequence, so the causal
-    rule is simply key j visible to query i iff j <= start_pos[r] + i.
+    The sequences are split into groups of similar length (`padding_groups`) so a short
+    context is never padded to the batch's longest one: a step costs about the summed context,
+    which is what the capacity model's context term prices.
     """
 
     slot_mapping: torch.Tensor  # [T] flat KV slot each new token is written to
-    q_seq: torch.Tensor  # [T] which sequence a new token belongs to
-    q_off: torch.Tensor  # [T] its offset among that sequence's new tokens
-    kv_slots: torch.Tensor  # [R, Lmax] flat KV slot of each context position (0 = padding)
-    mask: torch.Tensor  # [R, 1, Qmax, Lmax] bool, True = attend
-    num_seqs: int
-    max_q: int
+    groups: list[AttentionGroup]
+
+
+# Sequences with more new tokens than this are prefill chunks: their query padding matters too.
+PREFILL_Q = 16
+# A group admits a sequence whose context (and, for prefill chunks, query count) is at least
+# its longest one's divided by this, so padding at most doubles a group's work.
+PAD_RATIO = 2.0
+# Groups padded to fewer (query + 1) x key cells than this are merged with their neighbour:
+# below it one more SDPA call costs more than the padding it saves.
+MIN_GROUP_CELLS = 4096
+MAX_GROUPS = 16  # the rest pads into the last group (bounds per-forward dispatch)
+
+
+def padding_groups(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Partition sequence indices into groups padded together (each group sorted longest first).
+
+    Decode and verify rows (few new tokens) group by context length alone; prefill chunks also
+    by their query count. Pure: ints in, ints out.
+    """
+    order = sorted(
+        range(len(q_lens)),
+        key=lambda r: (q_lens[r] > PREFILL_Q, kv_lens[r], q_lens[r]),
+        reverse=True,
+    )
+    groups: list[list[int]] = []
+    top_q = top_l = 0
+    for r in order:
+        q, kv = q_lens[r], kv_lens[r]
+        fits = (
+            groups
+            and (q > PREFILL_Q) == (top_q > PREFILL_Q)
+            and kv * PAD_RATIO >= top_l
+            and (q <= PREFILL_Q or q * PAD_RATIO >= top_q)
+        )
+        if fits:
+            groups[-1].append(r)
+            continue
+        if groups and (
+            len(groups) == MAX_GROUPS or _cells(groups[-1], q_lens, kv_lens) < MIN_GROUP_CELLS
+        ):
+            groups[-1].append(r)  # too small to run alone (or enough calls): pad into it
+            continue
+        groups.append([r])
+        top_q, top_l = q, kv
+    return groups
+
+
+def _cells(group: list[int], q_lens: list[int], kv_lens: list[int]) -> int:
+    return len(group) * (max(q_lens[r] for r in group) + 1) * max(kv_lens[r] for r in group)
 
 
 @dataclass
@@ -73,28 +135,80 @@ def current_context() -> ForwardContext:
     return _CTX
 
 
-def packed_causal_metadata(seq_lens: list[int], device: str | torch.device) -> AttentionMetadata:
-    """Causal attention within each of several packed sequences, no cache (training, parity)."""
-    num, max_len = len(seq_lens), max(seq_lens)
-    starts = torch.tensor([0, *seq_lens[:-1]]).cumsum(0)
-    lens = torch.tensor(seq_lens)
-    j = torch.arange(max_len)
-    kv_slots = torch.where(j[None] < lens[:, None], starts[:, None] + j[None], 0)  # [R, Lmax]
-    q_seq = torch.repeat_interleave(torch.arange(num), lens)
-    q_off = torch.cat([torch.arange(n) for n in seq_lens])
-    valid = j[None, :] < lens[:, None]  # [R, L]
-    causal = j[None, None, :] <= j[None, :, None]  # [1, Q, L]
-    pad_row = (~valid)[:, :, None] & (j == 0)[None, None, :]
-    mask = (causal & valid[:, :, None]) | pad_row
+def ragged_metadata(
+    start_pos: list[int],
+    q_lens: list[int],
+    kv_slot_rows: list[list[int]],
+    slot_mapping: torch.Tensor,
+    device: str | torch.device,
+) -> AttentionMetadata:
+    """Metadata for sequences whose new tokens sit back to back in the flat batch: sequence r
+    has q_lens[r] new tokens at positions start_pos[r].., and its whole context (cached prefix
+    and new tokens) lives at the flat slots kv_slot_rows[r]."""
+    kv_lens = [s + q for s, q in zip(start_pos, q_lens, strict=True)]
+    first_row = [0]
+    for q in q_lens[:-1]:
+        first_row.append(first_row[-1] + q)
+    groups = padding_groups(q_lens, kv_lens)
+    if len(groups) == 1:  # the flat order itself: no row gather
+        return AttentionMetadata(
+            slot_mapping, [_group(sorted(groups[0]), start_pos, q_lens, kv_slot_rows, None, device)]
+        )
     return AttentionMetadata(
-        slot_mapping=torch.arange(int(lens.sum()), device=device),
-        q_seq=q_seq.to(device),
-        q_off=q_off.to(device),
+        slot_mapping,
+        [_group(g, start_pos, q_lens, kv_slot_rows, first_row, device) for g in groups],
+    )
+
+
+def _group(
+    members: list[int],
+    start_pos: list[int],
+    q_lens: list[int],
+    kv_slot_rows: list[list[int]],
+    first_row: list[int] | None,
+    device: str | torch.device,
+) -> AttentionGroup:
+    qs = [q_lens[r] for r in members]
+    max_q = max(qs)
+    max_kv = max(start_pos[r] + q_lens[r] for r in members)
+    kv_slots = torch.zeros(len(members), max_kv, dtype=torch.long)
+    for i, r in enumerate(members):
+        kv_slots[i, : start_pos[r] + q_lens[r]] = torch.tensor(kv_slot_rows[r], dtype=torch.long)
+    starts = torch.tensor([start_pos[r] for r in members])
+    q_len_t = torch.tensor(qs)
+    qi = torch.arange(max_q)
+    kj = torch.arange(max_kv)
+    causal = kj[None, None, :] <= (starts[:, None, None] + qi[None, :, None])  # [Rg, Qg, Lg]
+    # Padding query rows attend to key 0 so SDPA never sees an all-masked row (NaN); they are
+    # dropped when the output is gathered back to the flat layout.
+    pad_q = (qi[None, :] >= q_len_t[:, None])[:, :, None] & (kj == 0)[None, None, :]
+    mask = (causal & (qi[None, :] < q_len_t[:, None])[:, :, None]) | pad_q
+    rows = None
+    if first_row is not None:
+        rows = torch.tensor(
+            [first_row[r] + j for r in members for j in range(q_lens[r])], dtype=torch.long
+        ).to(device)
+    return AttentionGroup(
+        rows=rows,
+        q_seq=torch.repeat_interleave(torch.arange(len(members)), q_len_t).to(device),
+        q_off=torch.cat([torch.arange(q) for q in qs]).to(device),
         kv_slots=kv_slots.to(device),
         mask=mask[:, None].to(device),
-        num_seqs=num,
-        max_q=max_len,
+        num_seqs=len(members),
+        max_q=max_q,
     )
+
+
+def packed_causal_metadata(seq_lens: list[int], device: str | torch.device) -> AttentionMetadata:
+    """Causal attention within each of several packed sequences, no cache (training, parity):
+    the slots index the batch's own rows."""
+    first = [0]
+    for n in seq_lens[:-1]:
+        first.append(first[-1] + n)
+    rows = [list(range(f, f + n)) for f, n in zip(first, seq_lens, strict=True)]
+    total = first[-1] + seq_lens[-1]
+    slot_mapping = torch.arange(total, device=device)
+    return ragged_metadata([0] * len(seq_lens), list(seq_lens), rows, slot_mapping, device)
 
 
 class TorchSDPABackend:
@@ -113,20 +227,36 @@ class TorchSDPABackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        groups = meta.groups
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._attend(q, k_cache, v_cache, groups[0], scale)
+        out = torch.empty_like(q)
+        for g in groups:
+            out[g.rows] = self._attend(q[g.rows], k_cache, v_cache, g, scale)
+        return out
+
+    @staticmethod
+    def _attend(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        g: AttentionGroup,
+        scale: float,
+    ) -> torch.Tensor:
         _, num_heads, head_dim = q.shape
-        q_pad = q.new_zeros(meta.num_seqs, meta.max_q, num_heads, head_dim)
-        q_pad[meta.q_seq, meta.q_off] = q
-        k = k_cache[meta.kv_slots]  # [R, Lmax, h_kv, d]
-        v = v_cache[meta.kv_slots]
+        q_pad = q.new_zeros(g.num_seqs, g.max_q, num_heads, head_dim)
+        q_pad[g.q_seq, g.q_off] = q
+        k = k_cache[g.kv_slots]  # [Rg, Lg, h_kv, d]
+        v = v_cache[g.kv_slots]
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),  # [R, h, Qmax, d]
+            q_pad.transpose(1, 2),  # [Rg, h, Qg, d]
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=meta.mask,
+            attn_mask=g.mask,
             scale=scale,
             enable_gqa=True,
-        )  # [R, h, Qmax, d]
-        return out.transpose(1, 2)[meta.q_seq, meta.q_off]  # [T, h, d]
+        )  # [Rg, h, Qg, d]
+        return out.transpose(1, 2)[g.q_seq, g.q_off]  # [Tg, h, d]
 
 
 _BACKENDS = {TorchSDPABackend.name: TorchSDPABackend}

@@ -22,6 +22,7 @@ from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.ep import RANK_FAILURE_EXIT, LeaderRunner, RankFailure
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sequence import Sequence, Status
+from dspark_sglang.models import attention
 from dspark_sglang.types import SamplingParams as SP
 from dspark_sglang.types import ScheduledSeq, StepPlan, StepRecord
 from tests.conftest import VOCAB, write_drafter, write_hf_model
@@ -96,6 +97,8 @@ def two_forwards(runner: ModelRunner, pool: BlockPool) -> list[tuple[torch.Tenso
         for plan in (prefill, verify):
             batch = build_batch(plan, seqs, runner.page_size, runner.device)
             batch = replace(batch, sample_rows=torch.arange(batch.num_tokens))
+            if attention.MIN_GROUP_CELLS == 0:
+                assert len(batch.attn.groups) > 1
             res = runner.forward(batch)
             assert res.expert_counts is not None
             out.append((res.logits, res.expert_counts.clone()))
@@ -105,7 +108,12 @@ def two_forwards(runner: ModelRunner, pool: BlockPool) -> list[tuple[torch.Tenso
     return out
 
 
-def test_ep2_logits_and_routing_equal_one_rank(pair: tuple[Path, Path], ep2: LLM) -> None:
+def test_ep2_logits_and_routing_equal_one_rank(
+    pair: tuple[Path, Path], ep2: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lift the merge floor so these short sequences run as several attention groups, and the
+    # followers must rebuild that grouped metadata from the wire.
+    monkeypatch.setattr(attention, "MIN_GROUP_CELLS", 0)
     assert isinstance(ep2.runner, LeaderRunner)
     one = ModelRunner(ModelConfig(str(pair[0])), CacheConfig(**KV))
     ref = two_forwards(one, BlockPool(one.num_blocks, one.page_size))

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from dspark_sglang.config import CacheConfig, ModelConfig
+from dspark_sglang.engine import batch as batch_mod
 from dspark_sglang.engine.batch import build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sequence import Sequence
+from dspark_sglang.models import attention
 from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
 from tests.conftest import VOCAB, hf_reference
 
@@ -21,10 +23,12 @@ ATOL = 2e-4
 class Driver:
     """Feeds arbitrary ragged batches straight to the runner, bypassing the scheduler."""
 
-    def __init__(self, path: Path, page_size: int = 4, taps: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, path: Path, page_size: int = 4, taps: tuple[int, ...] = (), num_blocks: int = 96
+    ) -> None:
         self.runner = ModelRunner(
             ModelConfig(str(path), tap_layer_ids=taps),
-            CacheConfig(page_size=page_size, num_blocks=96),
+            CacheConfig(page_size=page_size, num_blocks=num_blocks),
         )
         self.pool = BlockPool(self.runner.num_blocks, page_size)
         self.seqs: dict[int, Sequence] = {}
@@ -104,6 +108,33 @@ def test_ragged_batch_matches_full_recompute(hf_model_dir: Path) -> None:
     for (s, t), got in zip(new.items(), outs, strict=True):
         full = hist.get(s, []) + t
         want = reference_logits(hf, full)[-len(t) :]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
+def test_grouped_attention_matches_full_recompute(hf_model_dir: Path, monkeypatch) -> None:
+    """Contexts of very different lengths run as several padded groups (the floor that merges
+    small groups is lifted so this small batch splits); logits still match, row for row."""
+    monkeypatch.setattr(attention, "MIN_GROUP_CELLS", 0)
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, page_size=4, num_blocks=160)
+    g = torch.Generator().manual_seed(5)
+    ids = [d.new() for _ in range(5)]
+    hist = dict(zip(ids, [rand_tokens(g, n) for n in (3, 40, 9, 130, 20)], strict=True))
+    d.run([(s, t) for s, t in hist.items()])
+    new = dict(zip(ids, [rand_tokens(g, n) for n in (1, 6, 1, 2, 30)], strict=True))
+    batch_groups = []
+    real = attention.ragged_metadata
+
+    def spy(*args, **kwargs):
+        meta = real(*args, **kwargs)
+        batch_groups.append(len(meta.groups))
+        return meta
+
+    monkeypatch.setattr(batch_mod, "ragged_metadata", spy)
+    outs, _ = d.run([(s, t) for s, t in new.items()])
+    assert batch_groups[-1] >= 3
+    for (s, t), got in zip(new.items(), outs, strict=True):
+        want = reference_logits(hf, hist[s] + t)[-len(t) :]
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
