@@ -67,7 +67,7 @@ FULL = {
     "batch_sizes": (1, 2, 4, 8, 16, 32),
     "verify_lens": (0, 3, 7),
     "num_reqs": (1, 4, 16),
-    "context_len": 256,
+    "context_len": (256,),
     "repeats": 10,
     "warmup": 2,
 }
@@ -75,13 +75,13 @@ QUICK = {
     "batch_sizes": (1, 4, 16),
     "verify_lens": (0, 3),
     "num_reqs": (1, 4),
-    "context_len": 64,
+    "context_len": (64,),
     "repeats": 5,
     "warmup": 1,
 }
 # --ep-size N > 1 (bench/ep.py): decode steps up to larger B, where expert load imbalance shows.
-EP_FULL = {"batch_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256), "context_len": 32, "repeats": 5}
-EP_QUICK = {"batch_sizes": (1, 8, 64), "context_len": 16, "repeats": 3}
+EP_FULL = {"batch_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256), "context_len": (32,), "repeats": 5}
+EP_QUICK = {"batch_sizes": (1, 8, 64), "context_len": (16,), "repeats": 3}
 
 
 def write_synthetic_model(path: Path) -> None:
@@ -101,9 +101,10 @@ def write_synthetic_model(path: Path) -> None:
 
 
 def make_grid(args: argparse.Namespace) -> list[GridPoint]:
-    decode = [GridPoint("decode", b, 1, args.context_len) for b in args.batch_sizes]
+    decode = [GridPoint("decode", b, 1, c) for c in args.context_len for b in args.batch_sizes]
     verify = [
-        GridPoint("verify", r, 1 + lv, args.context_len)
+        GridPoint("verify", r, 1 + lv, c)
+        for c in args.context_len
         for r in args.num_reqs
         for lv in args.verify_lens
     ]
@@ -122,11 +123,11 @@ def profile(
     cache_cfg = CacheConfig(page_size=page_size, num_blocks=blocks_needed(points, page_size))
     # Check the length limit before the runner allocates a KV pool sized for it.
     limit = ArchConfig.from_model_path(model_path).max_position_embeddings
-    longest = args.context_len + 1 + max(args.verify_lens)
+    longest = max(args.context_len) + 1 + max(args.verify_lens)
     if longest > limit:
         raise ConfigError(
-            f"--context-len {args.context_len} plus {1 + max(args.verify_lens)} new tokens exceeds "
-            f"the model's max_position_embeddings {limit}"
+            f"--context-len {max(args.context_len)} plus {1 + max(args.verify_lens)} new tokens "
+            f"exceeds the model's max_position_embeddings {limit}"
         )
     draft_cfg = DraftConfig(path=args.draft_model_path) if args.draft_model_path else None
     runner = ModelRunner(
@@ -146,9 +147,10 @@ def profile(
     ]
     drafts = []
     if runner.drafter is not None:  # the capacity model's draft term: one pass per R
+        ctx = max(args.context_len)  # the draft term is a curve over R only
         for r in sorted({*args.num_reqs, *args.batch_sizes}):
-            secs = time_draft(runner, pool, r, args.context_len, args.repeats, args.warmup, gen)
-            drafts.append({"R": r, "ctx": args.context_len, "median_s": secs})
+            secs = time_draft(runner, pool, r, ctx, args.repeats, args.warmup, gen)
+            drafts.append({"R": r, "ctx": ctx, "median_s": secs})
     return rows, drafts
 
 
@@ -197,14 +199,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ("--batch-sizes", _int_list(1), "decode B = R list"),
         ("--verify-lens", _int_list(0), "verify draft lengths l"),
         ("--num-reqs", _int_list(1), "verify R list"),
-        ("--context-len", _int_at_least(0), "tokens in KV per request"),
+        (
+            "--context-len",
+            _int_list(0),
+            "tokens in KV per request (two or more fit the context term)",
+        ),
         ("--repeats", _int_at_least(1), "timed forwards per point"),
         ("--warmup", _int_at_least(0), "untimed forwards per point"),
     ):
         key = flag[2:].replace("-", "_")
         p.add_argument(
             flag,
-            metavar="LIST" if key in ("batch_sizes", "verify_lens", "num_reqs") else "N",
+            metavar="LIST"
+            if key in ("batch_sizes", "verify_lens", "num_reqs", "context_len")
+            else "N",
             type=parse,
             help=f"{what} (default {fmt(FULL[key])}; --quick: {fmt(QUICK[key])})",
         )
@@ -253,6 +261,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"argument --draft-model-path: {args.draft_model_path!r} is not a directory")
         if args.ep_size > 1:
             p.error("argument --draft-model-path: not supported with --ep-size")
+    if args.ep_size > 1 and len(args.context_len) > 1:
+        p.error("argument --context-len: --ep-size takes one context length")
     if args.output is not None and not Path(args.output).parent.is_dir():
         p.error(f"argument --output: directory of {args.output!r} does not exist")
     if args.write_profile is not None and not Path(args.write_profile).parent.is_dir():

@@ -145,7 +145,7 @@ class Samples:
 
 
 def run(args: argparse.Namespace, model_path: str) -> tuple[Samples, list[int], list[float], Any]:
-    n, sizes, ctx = args.ep_size, list(args.batch_sizes), args.context_len
+    n, sizes, (ctx,) = args.ep_size, list(args.batch_sizes), args.context_len
     max_reqs = max(sizes)
     cache = CacheConfig(num_blocks=len(ROUTINGS) * max_reqs * -(-(ctx + 1) // 16) + 8)
     model = ModelConfig(model_path, dtype=args.dtype, device=args.device)
@@ -280,7 +280,7 @@ def report(
         "torch": torch.__version__,
         "ep_size": n,
         "batch_sizes": sizes,
-        "context_len": args.context_len,
+        "context_len": args.context_len[0],
         "samples_per_point": args.rounds * args.repeats,
         "load_curve": {"pairs_per_layer": load_pairs, "cpu_seconds": load_secs},
         "routing": routing,

@@ -67,6 +67,20 @@ def test_synthetic_model_json_and_output_file(
     assert json.loads(out_file.read_text()) == report
 
 
+def test_several_context_lengths_cross_the_grid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dspark_sglang.capacity_profile import load_profile
+
+    argv = [*TINY_GRID, "--write-profile", str(tmp_path / "p.yaml")]
+    argv[argv.index("--context-len") + 1] = "24,8"
+    report = _run_json(argv, capsys)
+    grid = sorted((p["kind"], p["R"], p["tokens_per_req"], p["ctx"]) for p in report["points"])
+    shapes = [("decode", 1, 1), ("decode", 3, 1), ("verify", 2, 1), ("verify", 2, 3)]
+    assert grid == sorted((*s, c) for s in shapes for c in (8, 24))
+    assert load_profile(tmp_path / "p.yaml").model.form.kappa_s >= 0.0  # fitted, never negative
+
+
 def test_hf_written_dense_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
     import torch
