@@ -130,7 +130,14 @@ class ModelRunner:
         self, batch: DraftBatch, temperatures: torch.Tensor, gens: list[torch.Generator | None]
     ) -> Proposal:
         assert self.drafter is not None
-        ctx = [(k[batch.ctx_slots], v[batch.ctx_slots]) for k, v in self.draft_kv]
+        flat, shape = batch.ctx_slots.reshape(-1), batch.ctx_slots.shape
+        ctx = [
+            (
+                k.index_select(0, flat).view(*shape, *k.shape[1:]),
+                v.index_select(0, flat).view(*shape, *v.shape[1:]),
+            )
+            for k, v in self.draft_kv
+        ]
         h = self.drafter.forward_block(batch.anchors, batch.anchor_pos, ctx, batch.ctx_mask)
         tokens, q, conf = self.drafter.propose(h, batch.anchors, temperatures, gens)
         return Proposal(batch.seq_ids, tokens, q, conf)
