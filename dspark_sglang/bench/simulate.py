@@ -439,7 +439,7 @@ def run_engine_closed_loop(
     issued, done = 0, 0
     arrivals: list[float] = []
     completions: list[float] = []
-    steps: list[tuple[float, float, int, int, int, float, int, float, int]] = []
+    steps: list[tuple[float, float, int, int, int, float, int, float, int, float]] = []
     t_start = time.perf_counter()
 
     def issue(now: float) -> None:
@@ -483,6 +483,7 @@ def run_engine_closed_loop(
                     rec.num_decode_reqs if rec else 0,
                     pred,
                     prompt,
+                    rec.draft_seconds if rec else 0.0,
                 )
             )
             for o in outs:
@@ -583,14 +584,14 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     ns = np.concatenate(cal["no-spec"])
     overhead = fit_linear(ns[:, 3], ns[:, 1] - ns[:, 5])
     sp = np.concatenate(cal["spec"])
-    spec_rows = sp[sp[:, 6] > 0]
+    spec_rows = sp[sp[:, 9] > 0]  # steps the drafter ran on (lagged skips it at K = 0)
     draft = fit_linear(
         spec_rows[:, 6],
         spec_rows[:, 1] - spec_rows[:, 5] - np.array([overhead(r) for r in spec_rows[:, 3]]),
     )
     # Prompt tokens: the profile grid holds decode/verify shapes only, so a step that carries
     # prefill chunks runs longer than its (R, B) prediction; fit that excess per prompt token.
-    both = np.concatenate([ns, sp[:, :9]])
+    both = np.concatenate([ns[:, :9], sp[:, :9]])
     pf = both[both[:, 8] > 0]
     prefill = fit_linear(pf[:, 8], pf[:, 5] - pf[:, 7]) if len(pf) else Linear()
     log(f"overhead {overhead}; drafter {draft}; prefill {prefill}")
