@@ -30,7 +30,13 @@ from dspark_sglang.config import (
     ModelConfig,
 )
 from dspark_sglang.engine.block_pool import BlockPool
-from dspark_sglang.engine.profiler import GridPoint, blocks_needed, time_draft, time_point
+from dspark_sglang.engine.profiler import (
+    GridPoint,
+    blocks_needed,
+    time_draft,
+    time_point,
+    warm_up,
+)
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.models.attention import create_backend
 from dspark_sglang.models.target import Qwen3ForCausalLM
@@ -141,6 +147,7 @@ def profile(
         v.normal_(generator=kv_gen)
     gen = torch.Generator().manual_seed(SEED)  # token ids, drawn on the host
     pool = BlockPool(runner.num_blocks, runner.page_size)
+    warm_up(runner, pool, points[0], gen)
     rows = [
         time_point(runner, pool, p, args.repeats, args.warmup, gen)
         for p in tqdm(points, desc="profile", file=sys.stderr, disable=args.json)

@@ -282,6 +282,7 @@ class Policy:
     name = "policy"
     speculative = True
     ran_drafter = True  # False after a plan() that skipped the drafter (engine lagged K = 0)
+    drafted_rows: int | None = None  # rows the drafter ran on in the last plan(); None = all
 
     def plan(
         self,
@@ -333,12 +334,28 @@ class ServingPolicy(Policy):
         ctx: int,
     ) -> np.ndarray:
         k = None
-        self.ran_drafter = True
+        self.ran_drafter, self.drafted_rows = True, None
         if self.planner.plans_before_drafting:  # as LLMEngine._draft: K first, then drafts
             k = self.planner.budget(ids, max_len, ctx)
             if k == 0 and not self.planner.should_probe():
                 self.ran_drafter = False
                 return self.planner.skip(ids, max_len, ctx).lengths
+            if k == 0:  # a probe drafts a few rows only
+                keep = self.planner.probe_rows(len(ids))
+                if keep.size < len(ids):
+                    self.drafted_rows = int(keep.size)
+                    sub_ctx = round(ctx * keep.size / len(ids))  # the subset's share of the context
+                    sub = self.planner.plan(
+                        [ids[i] for i in keep],
+                        _logit(conf[keep]),
+                        max_len[keep],
+                        sub_ctx,
+                        k,
+                        (ids, max_len, ctx),
+                    ).lengths
+                    lens = np.zeros(len(ids), np.int64)
+                    lens[keep] = sub
+                    return lens
         return self.planner.plan(ids, _logit(conf), max_len, ctx, k).lengths
 
     def observe(self, lengths: np.ndarray, accepted: np.ndarray, ids: list[int]) -> None:
@@ -591,6 +608,8 @@ def simulate(
         n_draft = len(drafting) if policy.speculative else 0
         if not policy.ran_drafter:
             n_draft = 0  # the engine's lagged K = 0: a plain decode step, drafter not run
+        elif policy.drafted_rows is not None:
+            n_draft = policy.drafted_rows  # a lagged probe drafts a few rows
         dt = cost.step_seconds(len(running), num_tokens, kv, n_draft, sum(chunks.values()))
         now += dt
         emitted = 0

@@ -36,7 +36,13 @@ from dspark_sglang.engine.ep import create_runner
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.engine.kv_cache import slots
 from dspark_sglang.engine.planner import Plan, VerifyPlanner
-from dspark_sglang.engine.profiler import ep_load_term, startup_grid, time_draft, time_point
+from dspark_sglang.engine.profiler import (
+    ep_load_term,
+    startup_grid,
+    time_draft,
+    time_point,
+    warm_up,
+)
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sampler import make_generator, sampling_tensors
 from dspark_sglang.engine.scheduler import Scheduler
@@ -195,6 +201,8 @@ class LLMEngine:
             self.pool.page_size,
             self.runner.max_model_len,
         )
+        if points:
+            warm_up(self.runner, self.pool, points[0], gen)
         rows = []
         for p in tqdm(points, desc="capacity profile", leave=False):
             if rows and time.perf_counter() - t0 > budget_s:
@@ -354,13 +362,20 @@ class LLMEngine:
         self._planned_ids = frozenset(ids)
         max_len = np.array([min(self._verify_cap(s), self.gamma) for s in ready])
         ctx = sum(s.num_tokens for s in ready)
-        k = None
+        k, whole = None, None
         if self.planner.plans_before_drafting:
             k = self.planner.budget(ids, max_len, ctx)
             if k == 0 and not self.planner.should_probe():
                 # nothing will be verified: a plain decode step, without the drafter
                 self._last_plan = self.planner.skip(ids, max_len, ctx)
                 return None, {}
+            if k == 0:  # a probe: draft and verify a few rows only; the rest decode plainly
+                keep = self.planner.probe_rows(len(ready))
+                if keep.size < len(ready):
+                    whole = (ids, max_len, ctx)
+                    ready = [ready[i] for i in keep]
+                    ids, max_len = [ids[i] for i in keep], max_len[keep]
+                    ctx = sum(s.num_tokens for s in ready)
         t0 = time.perf_counter()
         self._flush_draft_context()
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
@@ -372,7 +387,7 @@ class LLMEngine:
             else None
         )
         self._draft_seconds = time.perf_counter() - t0
-        self._last_plan = self.planner.plan(ids, logits, max_len, ctx, k)
+        self._last_plan = self.planner.plan(ids, logits, max_len, ctx, k, whole)
         lens = self._last_plan.lengths
         toks = proposal.tokens.tolist()  # draft ids go into the host-built batch
         self.stats.drafted += len(ready) * self.gamma
@@ -457,7 +472,8 @@ class LLMEngine:
             n = min(accepted[s.seq_id], len(touched[seq]))
             self.stats.add_round(len(s.draft_ids), n, len(touched[seq]))
             if self.rounds is not None:
-                logits = tuple(conf[row[s.seq_id]][: self.gamma]) if conf and row else ()
+                i = row.get(s.seq_id)  # None: not drafted (a skipped step, or not probed)
+                logits = tuple(conf[i][: self.gamma]) if conf and i is not None else ()
                 self.rounds.append(
                     RoundRecord(s.seq_id, len(s.draft_ids), n, len(touched[seq]), logits)
                 )

@@ -34,6 +34,10 @@ from dspark_sglang.types import StepRecord
 
 _NO_SPS = np.ones(1)  # modes that never read a capacity curve
 PROBE_MIN, PROBE_MAX = 8, 256  # lagged K = 0: steps between drafting probes (doubling)
+# Requests a probe drafts and verifies (in rotation): enough acceptance evidence per probe, at a
+# cost that does not grow with the batch (a probe of all 32 requests on the CPU engine cost a
+# 43 ms drafter pass and a 256-token verify).
+PROBE_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class VerifyPlanner:
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
         self._since_draft = 0  # lagged: steps since the drafter last ran
         self._probe_every = PROBE_MIN
+        self._probe_next = 0  # rotation offset of the rows the next probe drafts
         # live recalibration of the confidences (capacity-driven modes only)
         self.correction = ConfidenceCorrection.identity(gamma)
         self._corrects = mode.name in ("sync", "lagged")
@@ -107,6 +112,15 @@ class VerifyPlanner:
         they keep finding K = 0."""
         return self._since_draft >= self._probe_every
 
+    def probe_rows(self, num_rows: int) -> np.ndarray:
+        """Indices of the rows a probe drafts: PROBE_ROWS of them, rotating through the batch so
+        successive probes see different requests (all rows when there are no more)."""
+        if num_rows <= PROBE_ROWS:
+            return np.arange(num_rows)
+        start = self._probe_next % num_rows
+        self._probe_next = start + PROBE_ROWS
+        return np.sort((start + np.arange(PROBE_ROWS)) % num_rows)
+
     def skip(self, ids: list[int], max_len: np.ndarray, ctx: int) -> Plan:
         """Lagged K = 0: no drafter this step. The last drafted step's confidences are pushed
         again, under the confidence correction as it stands now (so `lag` pushes stay `lag`
@@ -135,8 +149,11 @@ class VerifyPlanner:
         max_len: np.ndarray,
         ctx: int,
         k: int | None = None,
+        batch: tuple[list[int], np.ndarray, int] | None = None,
     ) -> Plan:
-        """Verify lengths for this step's drafts; lagged mode takes the K `budget` returned."""
+        """Verify lengths for this step's drafts; lagged mode takes the K `budget` returned.
+        `batch` = (ids, max_len, ctx) of every decode row when the drafts cover only some of
+        them (a probe): the next step's K is planned for the whole batch."""
         r = len(ids)
         if conf_logits is not None:
             raw = sts_confidences(conf_logits, self.sts)
@@ -162,8 +179,17 @@ class VerifyPlanner:
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
             )
         self.history = self.history.push(np.asarray(ids), surv)
-        self._submit_next(np.asarray(ids), sps, max_len)
+        if batch is None:
+            self._submit_next(np.asarray(ids), sps, max_len)
+        else:
+            all_ids, all_max, all_ctx = batch
+            self._submit_next(np.asarray(all_ids), self._sps(len(all_ids), all_ctx), all_max)
         self._count_fallback()
+        if batch is not None and self.capacity is not None:  # a probe: price the whole step
+            rr, cc = len(batch[0]), batch[2]
+            tokens = rr + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
+            predicted = self.capacity.predict(rr, rr + int(lens.sum()), cc, drafted=True)
+            return Plan(lens, int(lens.sum()), predicted, tokens / predicted, self._fallback)
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
         theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan

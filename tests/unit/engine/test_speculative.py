@@ -245,6 +245,41 @@ def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     spec.close()
 
 
+def test_lagged_probe_drafts_a_few_rows_in_rotation(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """With more requests than PROBE_ROWS, a probe drafts (and verifies) PROBE_ROWS of them,
+    a different few each time, and the rest decode plainly in the same step."""
+    from dspark_sglang.engine.planner import PROBE_ROWS
+
+    target, drafter = pair
+    ps = prompts(3 * PROBE_ROWS, seed=4)
+    base = LLM(str(target), num_blocks=256, page_size=4).generate(ps, GREEDY)
+    spec = LLM(
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode="lagged",
+        live_capacity=False,
+        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, 1.0)),
+        num_blocks=256,
+        page_size=4,
+    )
+    drafted: list[list[int]] = []
+    inner = spec.runner.draft
+
+    def spy(batch, temps, gens):
+        drafted.append(list(batch.seq_ids))
+        return inner(batch, temps, gens)
+
+    spec.runner.draft = spy  # type: ignore[method-assign]
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert drafted and all(len(d) <= PROBE_ROWS for d in drafted)
+    assert len({sid for d in drafted for sid in d}) > PROBE_ROWS  # the probes rotate
+    assert spec.stats.verified > 0
+    spec.close()
+
+
 def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:
     """Lagged, one request at a time, a fixed curve (live refit off) whose drafter costs two
     forwards: drafting pays only when most drafts are accepted."""
