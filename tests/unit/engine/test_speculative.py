@@ -254,14 +254,15 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
 
     target, drafter = pair
     ps = prompts(3 * PROBE_ROWS, seed=4)
-    base = LLM(str(target), num_blocks=256, page_size=4).generate(ps, GREEDY)
+    long = SamplingParams(temperature=0.0, max_tokens=40)  # probes at steps 8 and 24
+    base = LLM(str(target), num_blocks=512, page_size=4).generate(ps, long)
     spec = LLM(
         str(target),
         draft_model=str(drafter),
         schedule_mode="lagged",
         live_capacity=False,
         capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, 1.0)),
-        num_blocks=256,
+        num_blocks=512,
         page_size=4,
     )
     drafted: list[list[int]] = []
@@ -272,7 +273,7 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
         return inner(batch, temps, gens)
 
     spec.runner.draft = spy  # type: ignore[method-assign]
-    outs = spec.generate(ps, GREEDY)
+    outs = spec.generate(ps, long)
     assert [o.output_ids for o in outs] == [o.output_ids for o in base]
     assert drafted and all(len(d) <= PROBE_ROWS for d in drafted)
     assert len({sid for d in drafted for sid in d}) > PROBE_ROWS  # the probes rotate
