@@ -46,6 +46,35 @@ def kv_used(c: Cluster, workers: tuple[str, ...]) -> dict[str, float]:
     return {w: blocks("kv_pool_blocks", w) - blocks("kv_pool_free_blocks", w) for w in workers}
 
 
+def quiet_kv(c: Cluster, workers: tuple[str, ...], timeout: float = SETTLE_S) -> dict[str, float]:
+    """KV blocks in use once nothing is in flight anywhere and two fresh heartbeats agree: the
+    baseline a test's own traffic must return to. A bare `kv_used` right after a response can
+    still count that request's blocks (heartbeats are up to FRESH_S stale), and a baseline of 1
+    then never comes back once the blocks are freed."""
+
+    def idle() -> bool:
+        mt = c.metrics()
+        if mt["dspark_inflight_requests"] != 0:
+            return False
+        g = lambda name, w: mt.get(f'dspark_{name}{{worker="{w}"}}', -1.0)
+        return all(
+            g("worker_up", w) == 1 and g("running_requests", w) == 0 and g("queue_depth", w) == 0
+            for w in workers
+        )
+
+    deadline = time.monotonic() + timeout
+    time.sleep(FRESH_S)
+    wait_for(idle, timeout, "cluster not idle")
+    prev = kv_used(c, workers)
+    while time.monotonic() < deadline:
+        time.sleep(FRESH_S)
+        now = kv_used(c, workers)
+        if now == prev:
+            return now
+        prev = now
+    raise AssertionError(f"KV blocks in use kept changing while idle: {prev}")
+
+
 def settled(c: Cluster, used: dict[str, float]) -> bool:
     """Router holds no request; each worker is up, runs and queues nothing, and holds `used`
     KV blocks (its baseline: 0 is a full pool)."""

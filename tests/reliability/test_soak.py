@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import Cluster
-from tests.reliability.conftest import FRONT_MAX_PENDING, alive, kv_used, rss_mb, wait_kv_back
+from tests.reliability.conftest import FRONT_MAX_PENDING, alive, quiet_kv, rss_mb, wait_kv_back
 
 pytestmark = pytest.mark.timeout(420)
 TOTAL = 2000
@@ -187,7 +187,7 @@ def server_counts(c: Cluster) -> dict[str, float]:
 def test_soak_2000_requests_with_cancellations(front: Cluster) -> None:
     rng = random.Random(2024)
     workers = ("prefill0", "decode0")
-    base_kv = kv_used(front, workers)  # (blocks an earlier test leaked are not this one's)
+    base_kv = quiet_kv(front, workers)  # (blocks an earlier test leaked are not this one's)
     warm = Ledger()
     asyncio.run(drive(front.url, specs(rng, WARMUP, base=-WARMUP), 32, warm))
     wait_kv_back(front, workers, base_kv)

@@ -23,7 +23,7 @@ from dspark_sglang.serve import messages as m
 from dspark_sglang.serve.transport import Security, Sender
 from dspark_sglang.types import SamplingParams
 from tests.integration.conftest import Cluster
-from tests.reliability.conftest import API_KEY, alive, kv_used, rss_mb, wait_kv_back
+from tests.reliability.conftest import API_KEY, alive, quiet_kv, rss_mb, wait_kv_back
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = ("prefill0", "decode0")
@@ -220,7 +220,7 @@ def count(c: Cluster, name: str, pattern: str) -> int:
 
 
 def test_catalog_of_bad_messages(front: Cluster, rogue: Callable) -> None:
-    base_kv = kv_used(front, WORKERS)
+    base_kv = quiet_kv(front, WORKERS)
     before = {n: count(front, n, "WARNING") for n in ("prefill0", "decode0", "router")}
     for name, inbox, make in CATALOG:
         rogue(inbox, make())
@@ -258,7 +258,7 @@ def test_random_bytes_and_big_tensors_keep_memory_flat(front: Cluster, rogue: Ca
     """Two identical rounds of random / damaged messages and 64 MiB handoffs whose frames match
     their header but not the model: every process stays up, RSS stays within RSS_GROWTH_MB."""
     served(front)  # warm: first-request allocations are not a leak
-    base_kv = kv_used(front, WORKERS)
+    base_kv = quiet_kv(front, WORKERS)
     n = BIG_TENSOR_BYTES // (LAYERS * 2 * KV_HEADS * HEAD_DIM * 4)  # tokens of a 64 MiB KV
     big = handoff(40, n=n, prompt=[1] * n)
     rss = [worker_rss(front)]
