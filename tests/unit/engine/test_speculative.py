@@ -204,6 +204,24 @@ def write_capacity_profile(path: Path, gamma: int, draft_s: float | None = None)
     return path
 
 
+def lagged_on_fixed_curve(
+    pair: tuple[Path, Path], tmp_path: Path, draft_s: float, num_blocks: int = 128, **kw: int
+) -> LLM:
+    """Lagged on a fixed capacity curve (live refit off) whose drafter costs `draft_s` seconds
+    (a forward costs about 10 ms)."""
+    target, drafter = pair
+    return LLM(
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode="lagged",
+        live_capacity=False,
+        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, draft_s)),
+        num_blocks=num_blocks,
+        page_size=4,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("draft_s", [1.0, 0.0])
 def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     pair: tuple[Path, Path], tmp_path: Path, draft_s: float
@@ -213,18 +231,9 @@ def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     used as before."""
     from dspark_sglang.types import StepRecord
 
-    target, drafter = pair
     ps = prompts(4, seed=3)
-    base = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
-    spec = LLM(
-        str(target),
-        draft_model=str(drafter),
-        schedule_mode="lagged",
-        live_capacity=False,
-        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, draft_s)),
-        num_blocks=128,
-        page_size=4,
-    )
+    base = LLM(str(pair[0]), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    spec = lagged_on_fixed_curve(pair, tmp_path, draft_s)
     recs: list[StepRecord] = []
     spec.on_step = recs.append
     outs = spec.generate(ps, GREEDY)
@@ -252,19 +261,10 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
     a different few each time, and the rest decode plainly in the same step."""
     from dspark_sglang.engine.planner import PROBE_ROWS
 
-    target, drafter = pair
     ps = prompts(3 * PROBE_ROWS, seed=4)
     long = SamplingParams(temperature=0.0, max_tokens=40)  # probes at steps 8 and 24
-    base = LLM(str(target), num_blocks=512, page_size=4).generate(ps, long)
-    spec = LLM(
-        str(target),
-        draft_model=str(drafter),
-        schedule_mode="lagged",
-        live_capacity=False,
-        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, 1.0)),
-        num_blocks=512,
-        page_size=4,
-    )
+    base = LLM(str(pair[0]), num_blocks=512, page_size=4).generate(ps, long)
+    spec = lagged_on_fixed_curve(pair, tmp_path, 1.0, num_blocks=512)
     drafted: list[list[int]] = []
     inner = spec.runner.draft
 
@@ -284,17 +284,7 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
 def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:
     """Lagged, one request at a time, a fixed curve (live refit off) whose drafter costs two
     forwards: drafting pays only when most drafts are accepted."""
-    target, drafter = pair
-    return LLM(
-        str(target),
-        draft_model=str(drafter),
-        schedule_mode="lagged",
-        live_capacity=False,
-        max_running_requests=1,
-        capacity_profile=str(write_capacity_profile(tmp_path / "cap.yaml", 5, 0.02)),
-        num_blocks=128,
-        page_size=4,
-    )
+    return lagged_on_fixed_curve(pair, tmp_path, 0.02, max_running_requests=1)
 
 
 def test_lagged_probes_its_way_out_of_a_pessimistic_prior(
