@@ -4,6 +4,7 @@ Pure numpy + stdlib; imports only `config`, never engine, models, yaml, torch.cu
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -66,6 +67,10 @@ def as_increasing(x: Any, where: str, *, integer: bool, allow_empty: bool = Fals
     return out
 
 
+def _is_scalar(x: object) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating)
+
+
 def _plain(x: float) -> int | float:
     return int(x) if float(x).is_integer() else float(x)  # knots 1, 2, 4 stay ints in YAML
 
@@ -83,6 +88,8 @@ class Curve:
     values: tuple[float, ...]
 
     def __call__(self, x: Array | float) -> Array:
+        if _is_scalar(x):
+            return np.float64(self._at(float(x)))  # the planner's per-step path: no arrays
         xs, ys = np.asarray(self.knots, np.float64), np.asarray(self.values, np.float64)
         x = np.asarray(x, np.float64)
         out = np.interp(x, xs, ys)
@@ -90,6 +97,20 @@ class Curve:
             slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
             out = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), out)
         return out
+
+    def _at(self, x: float) -> float:
+        ks, vs = self.knots, self.values
+        if x != x:  # NaN, as np.interp
+            return x
+        if x <= ks[0]:
+            return float(vs[0])
+        if x >= ks[-1]:
+            if len(ks) == 1:
+                return float(vs[0])
+            slope = max(0.0, (vs[-1] - vs[-2]) / (ks[-1] - ks[-2]))
+            return vs[-1] + slope * (x - ks[-1])
+        j = bisect.bisect_right(ks, x) - 1
+        return vs[j] + (vs[j + 1] - vs[j]) / (ks[j + 1] - ks[j]) * (x - ks[j])
 
     def to_dict(self) -> dict[str, list]:
         return {"knots": [_plain(k) for k in self.knots], "values": [float(v) for v in self.values]}
@@ -160,7 +181,7 @@ class AdditiveModel:
     kind: ClassVar[str] = "additive"
 
     def base_seconds(self, num_reqs: Array | int, executed: Array, ctx: Array | int) -> Array:
-        ctx_s = self.kappa_s * np.asarray(ctx, np.float64)
+        ctx_s = self.kappa_s * (ctx if _is_scalar(ctx) else np.asarray(ctx, np.float64))
         return self.bias_s + self.alpha(num_reqs) + self.theta(executed) + ctx_s
 
     def to_params(self) -> dict[str, Any]:
@@ -393,10 +414,17 @@ class CapacityModel:
     version: int = 0
     draft: Curve | None = None
 
+    @property
+    def uses_context(self) -> bool:
+        """Whether step times depend on the attended context (an additive form with κ != 0)."""
+        return isinstance(self.form, AdditiveModel) and self.form.kappa_s != 0.0
+
     def step_seconds(
         self, num_reqs: Array | int, num_tokens: Array | int, ctx: Array | int = 0
     ) -> Array:
         """Target forward seconds (without the drafter)."""
+        if _is_scalar(num_reqs) and _is_scalar(num_tokens) and _is_scalar(ctx):
+            return np.float64(self._scalar_seconds(int(num_reqs), int(num_tokens), float(ctx)))
         ex = executed_tokens(self.form.buckets, num_tokens)
         t = self.form.base_seconds(num_reqs, ex, ctx)
         if self.moe is not None:
@@ -405,8 +433,24 @@ class CapacityModel:
             t = t * np.interp(ex, self.scale.knots, self.scale.values)
         return t
 
+    def _scalar_seconds(self, num_reqs: int, num_tokens: int, ctx: float) -> float:
+        """step_seconds for one (R, B, ctx) without arrays: the planner prices a step or two
+        every engine step, where numpy's per-call overhead was most of the cost."""
+        bk = self.form.buckets
+        i = bisect.bisect_left(bk, num_tokens)
+        ex = bk[i] if i < len(bk) else num_tokens
+        t = float(self.form.base_seconds(num_reqs, ex, ctx))
+        if self.moe is not None:
+            t += float(self.moe.seconds(np.int64(ex)))
+        if self.scale is not None:  # flat outside the knots, as np.interp
+            ks, vs = self.scale.knots, self.scale.values
+            t *= vs[0] if ex <= ks[0] else vs[-1] if ex >= ks[-1] else self.scale._at(ex)
+        return t
+
     def draft_seconds(self, num_reqs: Array | int) -> Array:
         """Drafter seconds of a step drafting for R requests; 0 when the model has no draft term."""
+        if _is_scalar(num_reqs):
+            return np.float64(0.0 if self.draft is None else self.draft._at(float(num_reqs)))
         r = np.asarray(num_reqs, np.float64)
         return np.zeros_like(r) if self.draft is None else self.draft(r)
 

@@ -158,6 +158,9 @@ def fit_additive(
 # ---- live estimation -----------------------------------------------------------------------
 
 
+SIGMA_EVERY = 8  # records between refreshes of the residuals' MAD
+
+
 @dataclass(frozen=True, slots=True)
 class EstimatorConfig:
     publish_every: int = 32  # accepted records between published versions
@@ -207,6 +210,7 @@ class LiveEstimator:
         self._ape: deque[float] = deque(maxlen=cfg.mape_window)
         self._cusum, self._run = [0.0, 0.0], [0, 0]  # (upward, downward)
         self._since = 0
+        self._sigma_val, self._sigma_at = 0.0, None  # cached MAD scale, num_observed when taken
         # Drafter seconds per R: measured directly each drafting step, so a plain EWMA per R
         # (no regression); the prior's curve fills the R never seen.
         self._draft: dict[int, tuple[float, float]] = {}  # R -> (EWMA seconds, records)
@@ -314,8 +318,13 @@ class LiveEstimator:
     def _sigma(self) -> float:
         if len(self._resid) < 8:  # too few to estimate a spread: stay lenient, let CUSUM act
             return max(self.cfg.min_sigma, 0.25)
-        r = np.asarray(self._resid)
-        return max(self.cfg.min_sigma, 1.4826 * float(np.median(np.abs(r - np.median(r)))))
+        # The MAD of a 32-record window moves slowly; two medians per step were 40 % of observe()
+        # on the CPU engine's planner path, so it is refreshed every SIGMA_EVERY records.
+        if self._sigma_at is None or self.num_observed - self._sigma_at >= SIGMA_EVERY:
+            r = np.asarray(self._resid)
+            mad = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+            self._sigma_val, self._sigma_at = max(self.cfg.min_sigma, mad), self.num_observed
+        return self._sigma_val
 
     def _count_experts(self, counts: Sequence[int]) -> None:
         if self._pop is None or len(counts) != self._pop.size or sum(counts) <= 0:

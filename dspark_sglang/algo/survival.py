@@ -176,6 +176,13 @@ class SurvivalHistory:
         s.setflags(write=False)
         return SurvivalHistory(self.depth, (*self.snapshots, (ids, s))[-self.depth :])
 
+    def repeat(self) -> SurvivalHistory:
+        """Push the newest snapshot again (the same read-only arrays, no copy): a step that
+        published nothing new. No-op on an empty history."""
+        if not self.snapshots:
+            return self
+        return SurvivalHistory(self.depth, (*self.snapshots, self.snapshots[-1])[-self.depth :])
+
     def lagged(self, request_ids: np.ndarray, lag: int, prior: AcceptancePrior) -> np.ndarray:
         """Survival [R, γ] for the current requests as published `lag` steps ago; a request absent
         from that snapshot (fresh, or no snapshot yet) gets the prior's survival row."""

@@ -352,15 +352,20 @@ class LLMEngine:
         if self.runner.drafter is None:
             return None, {}
         # Decoding = the prompt is in KV and the anchor is a sampled token (not a prompt tail).
-        ready = [s for s in self.scheduler.running if s.num_uncached == 1 and s.output_ids]
-        caps = [self._verify_cap(s) for s in ready]
-        ready = [s for s, c in zip(ready, caps, strict=True) if c > 0]
+        ready: list[Sequence] = []
+        caps: list[int] = []
+        for s in self.scheduler.running:
+            if s.num_uncached == 1 and s.output_ids:
+                cap = self._verify_cap(s)
+                if cap > 0:
+                    ready.append(s)
+                    caps.append(min(cap, self.gamma))
         if not ready:
             return None, {}
         assert self.planner is not None
         ids = [s.seq_id for s in ready]
         self._planned_ids = frozenset(ids)
-        max_len = np.array([min(self._verify_cap(s), self.gamma) for s in ready])
+        max_len = np.array(caps)
         ctx = sum(s.num_tokens for s in ready)
         k, whole = None, None
         if self.planner.plans_before_drafting:
@@ -415,8 +420,13 @@ class LLMEngine:
             keep = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
             rows += range(start, start + keep)
             start += s.num_new_tokens
-        idx = torch.tensor(rows, device=taps.device)
-        self._pending_ctx.append((taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx]))
+        if len(rows) == batch.num_tokens:  # every row verified (a step without drafts)
+            self._pending_ctx.append((taps, batch.positions, batch.attn.slot_mapping))
+        else:
+            idx = torch.tensor(rows, device=taps.device)
+            self._pending_ctx.append(
+                (taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx])
+            )
         self._pending_rows += len(rows)
         handoff = any(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         if not handoff:

@@ -40,6 +40,20 @@ PROBE_MIN, PROBE_MAX = 8, 256  # lagged K = 0: steps between drafting probes (do
 PROBE_ROWS = 4
 
 
+def ctx_bucket(ctx: int) -> int:
+    """The context a step's SPS curve is priced at: ctx rounded up to a sixteenth of its power of
+    two (at most 6.25 % more context). Context grows every step; without the rounding each step
+    would price a new curve and re-plan K from scratch even when nothing else changed."""
+    step = 1 << max(0, int(ctx).bit_length() - 5)
+    return -(-int(ctx) // step) * step
+
+
+def _done(k: int) -> Future[int]:
+    f: Future[int] = Future()
+    f.set_result(k)
+    return f
+
+
 @dataclass(frozen=True)
 class Plan:
     lengths: np.ndarray  # [R] verify lengths
@@ -80,6 +94,12 @@ class VerifyPlanner:
         self._raw_conf: dict[int, np.ndarray] = {}  # this step's raw confidence row per request
         # (request ids, raw confidences) of the last step that drafted; skipped steps re-push it
         self._last_raw: tuple[np.ndarray, np.ndarray] | None = None
+        # what skip() last pushed from: (that _last_raw, the correction then); the same again
+        # re-pushes the same snapshot arrays
+        self._skip_src: tuple[object, object] | None = None
+        # the last K and what it was planned from (identities + bytes): the same inputs, same K
+        self._k_memo: tuple[tuple[object, ...], int] | None = None
+        self._next_key: tuple[object, ...] | None = None  # the inputs _next_k is computed from
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -89,7 +109,8 @@ class VerifyPlanner:
     def _sps(self, r: int, ctx: int) -> np.ndarray:
         if self.capacity is None:
             return _NO_SPS
-        cache = self._sps_cache  # budget() and plan()/skip() of one step share it
+        ctx = ctx_bucket(ctx) if self.capacity.uses_context else 0
+        cache = self._sps_cache  # steps of one R and context bucket share it
         if cache is not None and cache[0] == (r, ctx) and cache[2] is self.capacity:
             return cache[1]
         # lagged: B = R skips the drafter; every other mode drafted before planning (sunk cost)
@@ -129,17 +150,21 @@ class VerifyPlanner:
         r = len(ids)
         sps = self._sps(r, ctx)
         self._since_draft += 1
-        if self._last_raw is not None:  # the last drafts' confidences, under today's correction
+        src = (self._last_raw, self.correction)
+        if self._last_raw is None or self._same_skip_src(src):
+            self.history = self.history.repeat()
+        else:  # the last drafts' confidences, under today's correction
             last_ids, raw = self._last_raw
             conf = self.correction.apply(raw) if self._corrects else raw
             self.history = self.history.push(last_ids, survival(conf))
-        elif self.history.snapshots:
-            self.history = self.history.push(*self.history.snapshots[-1])
+            self._skip_src = src
         self._submit_next(np.asarray(ids), sps, max_len)
         self._count_fallback()
-        ok = self.capacity is not None and r < sps.size
-        predicted = 1.0 / float(sps[r]) if ok else math.nan  # B = R, no drafter
-        theta = float(r * sps[r]) if ok else math.nan
+        if self.capacity is not None:  # B = R, no drafter, at the exact context
+            predicted = float(self.capacity.predict(r, r, ctx, drafted=False))
+            theta = r / predicted
+        else:
+            predicted = theta = math.nan
         return Plan(np.zeros(r, np.int64), 0, predicted, theta, self._fallback)
 
     def plan(
@@ -179,6 +204,7 @@ class VerifyPlanner:
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
             )
         self.history = self.history.push(np.asarray(ids), surv)
+        self._skip_src = None
         if batch is None:
             self._submit_next(np.asarray(ids), sps, max_len)
         else:
@@ -195,11 +221,37 @@ class VerifyPlanner:
         theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
         return Plan(lens, int(lens.sum()), predicted, theta, self._fallback)
 
+    def _same_skip_src(self, src: tuple[object, object]) -> bool:
+        last = self._skip_src
+        return last is not None and last[0] is src[0] and last[1] is src[1]
+
+    def _k_key(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[object, ...]:
+        lag = self.mode.lag
+        snaps = self.history.snapshots
+        snap = snaps[-lag] if len(snaps) >= lag else None
+        ml = np.asarray(max_len, np.int64)
+        return (snap, self.prior, sps, np.asarray(ids, np.int64).tobytes(), ml.tobytes())
+
+    def _memo_k(self, key: tuple[object, ...]) -> int | None:
+        memo = self._k_memo
+        if memo is None:
+            return None
+        old = memo[0]
+        same = all(a is b for a, b in zip(old[:3], key[:3], strict=True)) and old[3:] == key[3:]
+        return memo[1] if same else None
+
     def _submit_next(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> None:
-        if self._pool is not None:  # next step's K, while this step's forward runs
-            self._next_k = self._pool.submit(
-                self._k_from_history, self.history, ids, self.prior, sps, max_len
-            )
+        if self._pool is None:
+            return
+        key = self._k_key(ids, sps, max_len)
+        k = self._memo_k(key)
+        if k is not None:  # nothing K depends on changed: no worker round trip
+            self._next_k, self._next_key = _done(k), None
+            return
+        # next step's K, while this step's forward runs
+        hist, prior = self.history, self.prior
+        self._next_k = self._pool.submit(self._k_from_history, hist, ids, prior, sps, max_len)
+        self._next_key = key
 
     def _count_fallback(self) -> None:
         if self._fallback:
@@ -219,9 +271,16 @@ class VerifyPlanner:
     def _lagged_k(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[int, str]:
         future, self._next_k = self._next_k, None
         if future is not None:
-            return future.result(), ""
+            k = future.result()
+            if self._next_key is not None:
+                self._k_memo, self._next_key = (self._next_key, k), None
+            return k, ""
         # No plan from the previous step (first step, or overlap off): the same rule inline.
-        k = self._k_from_history(self.history, ids, self.prior, sps, max_len)
+        key = self._k_key(ids, sps, max_len)
+        k = self._memo_k(key)
+        if k is None:
+            k = self._k_from_history(self.history, ids, self.prior, sps, max_len)
+            self._k_memo = (key, k)
         return k, ("no_overlap_plan" if self._pool is not None else "")
 
     def observe(

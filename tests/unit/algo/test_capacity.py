@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspark_sglang.algo import verify_budget as vb
 from dspark_sglang.algo.capacity import (
@@ -77,6 +79,33 @@ def test_additive_prediction_is_the_formula_at_the_executed_bucket() -> None:
     assert executed_tokens(BUCKETS, [1, 3, 25, 256, 300]).tolist() == [1, 4, 32, 256, 300]
     # Past the last bucket the step runs eagerly at B, and θ continues its last slope.
     assert m.predict(1, 300) > m.predict(1, 256)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    knots=st.lists(st.integers(1, 300), min_size=1, max_size=6, unique=True),
+    data=st.data(),
+)
+def test_scalar_fast_paths_equal_the_array_paths(knots: list[int], data: st.DataObject) -> None:
+    """Curve, step_seconds and draft_seconds take a per-step scalar path without arrays; it
+    must price exactly what the vectorised path prices (extrapolation, buckets, scale, EP)."""
+    ks = tuple(float(k) for k in sorted(knots))
+    vs = tuple(data.draw(st.lists(st.floats(0.0, 1.0), min_size=len(ks), max_size=len(ks))))
+    curve = Curve(ks, vs)
+    x = data.draw(st.floats(-10.0, 500.0))
+    assert float(curve(x)) == pytest.approx(float(curve(np.array([x]))[0]), abs=1e-12)
+    scale = Curve((1.0, 16.0, 128.0), (1.2, 0.9, 1.4))
+    for m in (
+        replace(additive(), scale=scale, draft=curve),
+        replace(additive(moe=moe_term(zipf(64, 1.1))), scale=scale),
+        CapacityModel(TableModel((1, 8, 64), (0.01, 0.02, 0.05)), draft=curve),
+    ):
+        r = data.draw(st.integers(1, 64))
+        b = data.draw(st.integers(1, 400))
+        ctx = data.draw(st.integers(0, 100_000))
+        vec = m.step_seconds(np.array([r]), np.array([b]), np.array([ctx]))[0]
+        assert float(m.step_seconds(r, b, ctx)) == pytest.approx(float(vec), rel=1e-12)
+        assert float(m.draft_seconds(r)) == pytest.approx(float(m.draft_seconds([r])[0]))
 
 
 def test_sps_array_matches_the_verify_budget_contract() -> None:

@@ -163,3 +163,17 @@ def test_confidence_correction_learns_the_observed_acceptance() -> None:
     # positions 3 and 4 were never verified: they follow the global ratio
     assert abs(r[2] - 1.5) < 0.1 and abs(r[3] - r[2]) < 1e-12
     assert c.apply(np.array([[0.6, 0.6, 0.8, 0.99]])).max() <= 1.0
+
+
+def test_repeat_pushes_the_newest_snapshot_again_without_copying() -> None:
+    prior = AcceptancePrior.uniform(3)
+    surv = np.array([[0.9, 0.5, 0.1], [0.8, 0.4, 0.2]])
+    h = SurvivalHistory(depth=2).push(np.array([5, 2]), surv)
+    h = h.push(np.array([2]), np.array([[0.7, 0.3, 0.1]]))
+    r = h.repeat()
+    assert r.snapshots[-1] is h.snapshots[-1] and len(r.snapshots) == 2
+    p = h.push(*h.snapshots[-1])
+    for lag in (1, 2):
+        ids = np.array([2, 5, 9])
+        assert np.array_equal(r.lagged(ids, lag, prior), p.lagged(ids, lag, prior))
+    assert SurvivalHistory(depth=2).repeat().snapshots == ()

@@ -281,6 +281,53 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
     spec.close()
 
 
+@pytest.mark.parametrize("scenario", ["never-pays", "probes-out", "free-drafter"])
+def test_lagged_k_memo_changes_no_decision(
+    pair: tuple[Path, Path], tmp_path: Path, scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planner reuses the last K while nothing it depends on changed (same lagged snapshot,
+    prior, SPS curve, requests and caps). Run for run, every step's K and every token are those
+    of a planner that recomputes K each step (including when a probe moves K off 0), and the
+    memo does skip most recomputations in K = 0 stretches."""
+    from dspark_sglang.engine.planner import VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    target, _ = pair
+    ps = prompts(3, seed=5)
+    ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
+    runs = []
+    for memo in (True, False):
+        hits = [0]
+        inner = VerifyPlanner._memo_k
+
+        def counted(self, key, inner=inner, hits=hits, memo=memo):  # type: ignore[no-untyped-def]
+            k = inner(self, key) if memo else None
+            hits[0] += k is not None
+            return k
+
+        monkeypatch.setattr(VerifyPlanner, "_memo_k", counted)
+        if scenario == "probes-out":  # K = 0 until probes see the drafter is always right
+            spec = lagged_with_costly_drafter(pair, tmp_path)
+            spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
+        else:
+            draft_s = 1.0 if scenario == "never-pays" else 0.0
+            spec = lagged_on_fixed_curve(pair, tmp_path, draft_s, max_running_requests=3)
+        recs: list[StepRecord] = []
+        spec.on_step = recs.append
+        outs = spec.generate(ps, GREEDY)
+        spec.close()
+        runs.append(([o.output_ids for o in outs], [r.verify_budget_k for r in recs], hits[0]))
+    (out_m, k_m, hits_m), (out_r, k_r, hits_r) = runs
+    assert out_m == out_r == [o.output_ids for o in ref]
+    assert k_m == k_r
+    assert hits_r == 0
+    if scenario == "probes-out":
+        assert 0 in k_m and max(k_m) > 0
+    if scenario != "free-drafter":  # K = 0 stretches (a free drafter drafts anew every step)
+        assert hits_m > len(k_m) // 4
+
+
 def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:
     """Lagged, one request at a time, a fixed curve (live refit off) whose drafter costs two
     forwards: drafting pays only when most drafts are accepted."""
