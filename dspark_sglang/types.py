@@ -106,3 +106,5 @@ class StepRecord:
     # routed (token, expert) pairs per EP rank, summed over MoE layers; () with one rank
     routed_tokens_per_rank: tuple[int, ...] = ()
     draft_seconds: float = 0.0  # wall time of the drafter this step (0: it did not run)
+    # wall time of the target forward (logits included) alone; nan: the engine did not time it
+    forward_seconds: float = float("nan")

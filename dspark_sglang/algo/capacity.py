@@ -399,20 +399,24 @@ DRAFT_MODES = ("never", "always", "when_verifying")
 
 @dataclass(frozen=True, slots=True)
 class CapacityModel:
-    """T(R, B, ctx) = scale(B_exec) · (form(R, B_exec, ctx) + moe(B_exec)) + draft(R), B_exec the
-    bucket, draft(R) only on steps that ran the drafter.
+    """T(R, B, ctx) = scale(B_exec) · (form(R, B_exec, ctx) + moe(B_exec)) + host(R) + draft(R),
+    B_exec the bucket, draft(R) only on steps that ran the drafter.
 
     An immutable value (STYLE §3): updates build a new one with version + 1, which every rank swaps
     in at one step boundary. `scale` is the live estimator's multiplicative correction (flat outside
     its knots); `moe` the EP term for MoE targets; `draft` the drafter's seconds per step vs R (on a
     GPU a few percent of a forward, on a CPU a large share of it: a step that verifies nothing can
-    skip the drafter, so the lagged planner must weigh it)."""
+    skip the drafter, so the lagged planner must weigh it). `host` is the engine's own work per
+    step outside the forward (scheduling, batch building, sampling, bookkeeping) vs R: a profile
+    timed forwards alone has none; the live estimator learns it from steps that time their
+    forward, and then `draft` is everything a drafting step adds on top of a plain one."""
 
     form: TableModel | AdditiveModel
     moe: ExpertParallelTerm | None = None
     scale: Curve | None = None
     version: int = 0
     draft: Curve | None = None
+    host: Curve | None = None
 
     @property
     def uses_context(self) -> bool:
@@ -454,10 +458,17 @@ class CapacityModel:
         r = np.asarray(num_reqs, np.float64)
         return np.zeros_like(r) if self.draft is None else self.draft(r)
 
+    def host_seconds(self, num_reqs: Array | int) -> Array:
+        """The engine's host seconds per step for R requests; 0 when the model has no host term."""
+        if _is_scalar(num_reqs):
+            return np.float64(0.0 if self.host is None else self.host._at(float(num_reqs)))
+        r = np.asarray(num_reqs, np.float64)
+        return np.zeros_like(r) if self.host is None else self.host(r)
+
     def predict(self, num_reqs: int, num_tokens: int, ctx: int = 0, drafted: bool = False) -> float:
         """Seconds of one step: a forward of B = num_tokens tokens for R requests (DESIGN §4),
-        plus the drafter when this step ran it."""
-        t = float(self.step_seconds(num_reqs, num_tokens, ctx))
+        the host's work, and the drafter when this step ran it."""
+        t = float(self.step_seconds(num_reqs, num_tokens, ctx)) + float(self.host_seconds(num_reqs))
         return t + float(self.draft_seconds(num_reqs)) if drafted else t
 
     def sps_array(
@@ -472,6 +483,7 @@ class CapacityModel:
         if draft not in DRAFT_MODES:
             raise ValueError(f"draft must be one of {DRAFT_MODES}, got {draft!r}")
         t = self.step_seconds(num_reqs, np.arange(max_tokens + 1), ctx)
+        t = t + float(self.host_seconds(num_reqs))
         if draft != "never" and self.draft is not None:
             d = float(self.draft_seconds(num_reqs))
             t = t + d
@@ -489,9 +501,8 @@ class CapacityModel:
         ctx: int = 0,
     ) -> Array:
         """Θ = τ · SPS(B) = τ / T(R, B, ctx), expected tokens/s of a step (paper §3.2.2, Alg. 1)."""
-        return np.asarray(expected_tokens, np.float64) / self.step_seconds(
-            num_reqs, num_tokens, ctx
-        )
+        t = self.step_seconds(num_reqs, num_tokens, ctx) + self.host_seconds(num_reqs)
+        return np.asarray(expected_tokens, np.float64) / t
 
     def to_dict(self) -> dict[str, Any]:
         params = self.form.to_params()
@@ -501,6 +512,8 @@ class CapacityModel:
             params["scale"] = self.scale.to_dict()
         if self.draft is not None:
             params["draft"] = self.draft.to_dict()
+        if self.host is not None:
+            params["host"] = self.host.to_dict()
         return {"kind": self.form.kind, "version": self.version, "params": params}
 
     @staticmethod
@@ -513,7 +526,8 @@ class CapacityModel:
         moe = get_field(params, "moe", f"{where}.params", None)
         scale = get_field(params, "scale", f"{where}.params", None)
         draft = get_field(params, "draft", f"{where}.params", None)
-        extra = set(params) - {*form.to_params(), "moe", "scale", "draft"}
+        host = get_field(params, "host", f"{where}.params", None)
+        extra = set(params) - {*form.to_params(), "moe", "scale", "draft", "host"}
         if extra:
             raise ConfigError(f"{where}.params: unknown field(s) {sorted(extra)}")
         return CapacityModel(
@@ -522,4 +536,5 @@ class CapacityModel:
             scale=None if scale is None else _scale_from_dict(scale, f"{where}.params.scale"),
             version=as_int(get_field(d, "version", where, 0), f"{where}.version"),
             draft=None if draft is None else Curve.from_dict(draft, f"{where}.params.draft"),
+            host=None if host is None else Curve.from_dict(host, f"{where}.params.host"),
         )

@@ -159,6 +159,7 @@ def fit_additive(
 
 
 SIGMA_EVERY = 8  # records between refreshes of the residuals' MAD
+HOST_SPIKE = 4.0  # a plain step's host seconds count at most this multiple of the running mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +216,8 @@ class LiveEstimator:
         # (no regression); the prior's curve fills the R never seen.
         self._draft: dict[int, tuple[float, float]] = {}  # R -> (EWMA seconds, records)
         self._draft_recent: deque[tuple[int, float]] = deque(maxlen=cfg.window)  # as _level
+        # Host seconds of plain steps per R (records that timed their forward): the same EWMA.
+        self._host: dict[int, tuple[float, float]] = {}
         moe = prior.moe
         self._pop = None
         if moe is not None:
@@ -241,17 +244,35 @@ class LiveEstimator:
         drafted = rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds)
         self._ape.append(abs(self.model.predict(*args, drafted=drafted) - y) / y)
         self._count_experts(rec.routed_tokens_per_expert)
-        if drafted:
-            self._observe_draft(rec.num_reqs, rec.draft_seconds)
-            y = max(y - rec.draft_seconds, 0.05 * y)  # the forward's share: what the form prices
+        fwd = rec.forward_seconds
+        split = 0.0 < fwd <= y and math.isfinite(fwd)
+        dsec = 0.0
+        if split:
+            # The forward was timed alone: the rest of the step is the host's work, and on a
+            # drafting step also everything drafting adds (the drafter, its bookkeeping, the
+            # plan), which is what the planner must weigh against skipping it.
+            rest = y - fwd
+            if drafted:
+                dsec = max(rest - self._host_at(rec.num_reqs), 0.0)
+                self._observe_draft(rec.num_reqs, dsec)
+            else:
+                self._observe_host(rec.num_reqs, rest)
+            y = fwd
+        elif drafted:
+            dsec = rec.draft_seconds
+            self._observe_draft(rec.num_reqs, dsec)
+            y = max(y - dsec, 0.05 * y)  # the forward's share: what the form prices
         ex = executed_tokens(self._base.form.buckets, rec.num_tokens)
         i = min(int(np.searchsorted(self._grid, ex)), self._grid.size - 1)
         u = self._u[i] * self._n[i] / (self._n[i] + cfg.prior_weight)
-        e = math.log(y) - math.log(self._base.predict(*args) * self._prior_factor(ex))
+        pred = float(self._base.step_seconds(*args)) * float(self._prior_factor(ex))
+        if not split:  # y still holds the host's share
+            pred += float(self._base.host_seconds(rec.num_reqs))
+        e = math.log(y) - math.log(pred)
         d = e - self._g - u
         self._resid.append(d)
         self._level.append(e - u)
-        self._draft_recent.append((rec.num_reqs, rec.draft_seconds if drafted else 0.0))
+        self._draft_recent.append((rec.num_reqs, dsec))
         sigma = self._sigma()
         z = max(-cfg.reject_z, min(cfg.reject_z, d / sigma))
         for side, zz in enumerate((z, -z)):
@@ -275,6 +296,7 @@ class LiveEstimator:
                 r: (float(np.median(since[r])) if r in since else m * shift, n)
                 for r, (m, n) in self._draft.items()
             }
+            self._host = {r: (m * shift, n) for r, (m, n) in self._host.items()}
             self._n_g = float(run)
             self._cusum, self._run = [0.0, 0.0], [0, 0]
             self.drift_events += 1
@@ -294,20 +316,45 @@ class LiveEstimator:
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)
 
+    def _observe_host(self, num_reqs: int, seconds: float) -> None:
+        mean, n = self._host.get(num_reqs, (seconds, 0.0))
+        if n >= 8:  # a collector pause or a preempted thread: one spike must not move the mean
+            seconds = min(seconds, HOST_SPIKE * mean)
+        mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
+        self._host[num_reqs] = (mean, n + 1.0)
+
+    def _host_at(self, num_reqs: int) -> float:
+        """The host seconds of a plain step of R requests as learned so far (the prior's when no
+        plain step was seen yet)."""
+        if num_reqs in self._host:
+            return self._host[num_reqs][0]
+        if self._host:
+            ks = sorted(self._host)
+            return float(np.interp(num_reqs, ks, [self._host[k][0] for k in ks]))
+        return float(self._base.host_seconds(num_reqs))
+
     def _draft_curve(self) -> Curve | None:
-        prior = self._base.draft
-        if not self._draft:
+        return self._ewma_curve(self._draft, self._base.draft)
+
+    def _host_curve(self) -> Curve | None:
+        return self._ewma_curve(self._host, self._base.host)
+
+    def _ewma_curve(
+        self, table: dict[int, tuple[float, float]], prior: Curve | None
+    ) -> Curve | None:
+        """Seconds vs R from per-R EWMAs, a sparse R shrunk toward the prior's curve."""
+        if not table:
             return prior
-        reqs = sorted(set(self._draft) | set(int(k) for k in (prior.knots if prior else ())))
+        reqs = sorted(set(table) | set(int(k) for k in (prior.knots if prior else ())))
         vals, wts = [], []
         for r in reqs:
-            mean, n = self._draft.get(r, (0.0, 0.0))
+            mean, n = table.get(r, (0.0, 0.0))
             if prior is not None:  # shrink a sparse R toward the prior's value there
                 p = float(prior(r))
                 mean = (mean * n + p * self.cfg.prior_weight) / (n + self.cfg.prior_weight)
             vals.append(mean)
             wts.append(n + (self.cfg.prior_weight if prior is not None else 0.0))
-        # more requests never draft faster: isotonic in R, as the forward's scale is in B
+        # more requests never cost less: isotonic in R, as the forward's scale is in B
         smooth = isotonic(np.asarray(vals), np.maximum(np.asarray(wts), 1e-3))
         return Curve(tuple(float(r) for r in reqs), tuple(smooth.tolist()))
 
@@ -358,6 +405,10 @@ class LiveEstimator:
         log_s = isotonic(ref + log_s, self._n + cfg.prior_weight) - ref
         scale = Curve(tuple(self._grid.tolist()), tuple(np.exp(log_s).tolist()))
         self.model = replace(
-            self._base, scale=scale, draft=self._draft_curve(), version=self.model.version + 1
+            self._base,
+            scale=scale,
+            draft=self._draft_curve(),
+            host=self._host_curve(),
+            version=self.model.version + 1,
         )
         return self.model

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_sglang.algo.capacity import AdditiveModel, CapacityModel, Curve
+from dspark_sglang.algo.capacity import CapacityModel, Curve
 from dspark_sglang.algo.survival import survival
 from dspark_sglang.algo.verify_budget import (
     assign_top_k,
@@ -245,23 +245,18 @@ class CostModel:
 
     def planning_model(self) -> CapacityModel:
         """What the engine's live estimator converges to: the profile with the per-step host
-        overhead folded into bias and α(R) (additive profiles only) and the drafter as the
-        model's draft term (the engine times its drafter separately)."""
+        overhead as the model's host term and the drafter as its draft term (the engine times
+        its forward, so it learns the two apart)."""
         model = self.capacity
         if self.draft.a or self.draft.b:
             model = replace(
                 model, draft=Curve((1.0, 4096.0), (self.draft(1.0), self.draft(4096.0)))
             )
-        form = model.form
-        extra_a, extra_b = self.overhead.a, self.overhead.b
-        if not isinstance(form, AdditiveModel) or (extra_a == 0 and extra_b == 0):
-            return model
-        knots = sorted({*form.alpha.knots, 1.0, 4096.0})
-        vals = [float(form.alpha(k)) + extra_b * (k - 1.0) for k in knots]
-        alpha = Curve(tuple(knots), tuple(vals))
-        return replace(
-            model, form=replace(form, bias_s=form.bias_s + extra_a + extra_b, alpha=alpha)
-        )
+        if self.overhead.a or self.overhead.b:
+            model = replace(
+                model, host=Curve((1.0, 4096.0), (self.overhead(1.0), self.overhead(4096.0)))
+            )
+        return model
 
 
 def with_ep_size(model: CapacityModel, ep: int) -> CapacityModel:

@@ -7,6 +7,7 @@ Non-speculative decoding; the speculative step slots into the same five stages.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -161,6 +162,7 @@ class LLMEngine:
         self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
         self._draft_seconds = 0.0
+        self._forward_seconds = math.nan
         self._planned_ids: frozenset[int] = frozenset()
         # verified rows (taps, positions, slots) not yet projected into the drafter's context
         self._pending_ctx: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -317,12 +319,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._last_plan, self._draft_seconds, self._planned_ids = None, 0.0, frozenset()
+        self._forward_seconds = math.nan
         proposal, drafts = self._draft()
         plan = self.scheduler.schedule(drafts)
         if plan.is_empty:
             return self._collect({})
         batch = build_batch(plan, self.scheduler.seqs, self.runner.page_size, self.runner.device)
+        t_fwd = time.perf_counter()
         out = self.runner.forward(batch)
+        if self.runner.device.startswith("cuda"):  # kernels are async: time them, not the launch
+            torch.cuda.synchronize()
+        self._forward_seconds = time.perf_counter() - t_fwd
         seqs = [self.scheduler.seqs[i] for i in batch.sample_seq_ids]
         planned = {s.seq_id: list(s.draft_ids) for s in plan.seqs}
         result = verify_step(
@@ -526,6 +533,7 @@ class LLMEngine:
             fallback=p.fallback if p else "",
             routed_tokens_per_rank=_per_rank(per_expert, self.config.parallel.ep_size),
             draft_seconds=self._draft_seconds,
+            forward_seconds=self._forward_seconds,
         )
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()

@@ -469,6 +469,59 @@ def test_estimator_learns_the_draft_term_and_keeps_the_forward_unbiased() -> Non
     assert est.mape < 0.06
 
 
+def test_forward_timed_steps_teach_the_host_and_whole_drafting_cost() -> None:
+    """An engine that times its forward: steps = TRUTH's forward + host work of 0.4 ms + 0.05 ms
+    per request + on drafting steps 4 ms + 0.6 ms per request, of which the drafter's own timer
+    sees a third. The published model prices a
+    plain and a drafting step as measured: host and the whole drafting cost learned, the forward
+    not absorbing either. The same records without forward times leave host unknown."""
+    rng = np.random.default_rng(4)
+
+    def host(r: int) -> float:
+        return 0.0004 + 0.00005 * r
+
+    def extra(r: int) -> float:
+        return 0.004 + 0.0006 * r
+
+    recs = []
+    for t in range(1200):
+        r = int(rng.choice([1, 2, 4, 8, 16]))
+        drafted = t % 3 == 0
+        b, c = (r * int(rng.integers(2, 9)) if drafted else r), r * 800
+        fwd = TRUTH.predict(r, b, c) * np.exp(rng.normal(0.0, 0.03))
+        y = fwd + host(r) * np.exp(rng.normal(0.0, 0.05)) + (extra(r) if drafted else 0.0)
+        timer = extra(r) / 3 if drafted else 0.0
+        recs.append(
+            StepRecord(t, r, b, 0, r, c, float(y), draft_seconds=timer, forward_seconds=fwd)
+        )
+    est = LiveEstimator(TRUTH)
+    for rec in recs:
+        est.observe(rec)
+    m = est.model
+    assert m.host is not None and m.draft is not None
+    for r in (1, 4, 16):
+        assert float(m.host_seconds(r)) == pytest.approx(host(r), rel=0.1)
+        assert float(m.draft_seconds(r)) == pytest.approx(extra(r), rel=0.1)
+        want = TRUTH.predict(r, 4 * r, r * 800) + host(r) + extra(r)
+        assert m.predict(r, 4 * r, r * 800, drafted=True) == pytest.approx(want, rel=0.05)
+        assert m.predict(r, r, r * 800) == pytest.approx(
+            TRUTH.predict(r, r, r * 800) + host(r), rel=0.05
+        )
+    untimed = LiveEstimator(TRUTH)
+    for rec in recs:
+        untimed.observe(replace(rec, forward_seconds=float("nan")))
+    assert untimed.model.host is None
+
+
+def test_host_term_round_trips_and_enters_every_price() -> None:
+    m = replace(additive(), host=Curve((1.0, 64.0), (0.001, 0.003)))
+    assert CapacityModel.from_dict(m.to_dict()) == m
+    bare = additive()
+    assert m.predict(4, 8, 100) == pytest.approx(bare.predict(4, 8, 100) + float(m.host(4.0)))
+    sps, sps0 = m.sps_array(4, 32, 100), bare.sps_array(4, 32, 100)
+    assert np.allclose(1.0 / sps[1:], 1.0 / sps0[1:] + float(m.host(4.0)))
+
+
 def test_a_drift_alarm_moves_the_draft_term_with_the_forward() -> None:
     """Everything 2x slower from step 300 (forward and drafter): after the CUSUM alarm the
     drafter's price is about 2x at once, not after its EWMA's 20-record memory: from the new

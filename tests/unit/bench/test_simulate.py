@@ -99,6 +99,21 @@ def test_closed_form_overhead_and_little() -> None:
     assert (res.output_throughput / m) * e2e == pytest.approx(c, rel=1e-9)
 
 
+@pytest.mark.parametrize("form", ["additive", "table"])
+def test_the_simulated_planner_prices_steps_as_the_simulator_charges_them(form: str) -> None:
+    """The lagged planner inside the simulator plans with what the engine's estimator converges
+    to; it must charge a plain and a drafting step exactly what CostModel charges."""
+    from dspark_sglang.algo.capacity import TableModel
+
+    base = flat() if form == "additive" else CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    cost = CostModel(base, overhead=Linear(0.002, 0.0001), draft=Linear(0.003, 0.0005))
+    plan = cost.planning_model()
+    for r, b, ctx in [(1, 1, 100), (4, 20, 900), (32, 32, 9000), (64, 300, 20000)]:
+        assert plan.predict(r, b, ctx) == pytest.approx(cost.step_seconds(r, b, ctx, 0))
+        drafted = plan.predict(r, b, ctx, drafted=True)
+        assert drafted == pytest.approx(cost.step_seconds(r, b, ctx, r))
+
+
 def test_simulator_is_deterministic_with_a_seed() -> None:
     bank = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["code"]), 5, np.random.default_rng(0),
                           num_trajectories=32, rounds=64)  # fmt: skip
