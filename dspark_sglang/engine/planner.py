@@ -87,6 +87,7 @@ class VerifyPlanner:
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
         self._since_draft = 0  # lagged: steps since the drafter last ran
         self._probe_every = PROBE_MIN
+        self._drafting_run = 0  # consecutive steps with K > 0
         self._probe_next = 0  # rotation offset of the rows the next probe drafts
         # live recalibration of the confidences (capacity-driven modes only)
         self.correction = ConfidenceCorrection.identity(gamma)
@@ -150,6 +151,7 @@ class VerifyPlanner:
         r = len(ids)
         sps = self._sps(r, ctx)
         self._since_draft += 1
+        self._drafting_run = 0
         src = (self._last_raw, self.correction)
         if self._last_raw is None or self._same_skip_src(src):
             self.history = self.history.repeat()
@@ -196,8 +198,17 @@ class VerifyPlanner:
             # confidence correction, which a head calibrated at another sampling temperature
             # needs before its survival can justify K > 0.
             lens = assign_top_k(surv, k if k > 0 else int(max_len.sum()), max_len=max_len)
-            # a probe (K = 0) that finds nothing worth verifying waits twice as long next time
-            self._probe_every = min(2 * self._probe_every, PROBE_MAX) if k == 0 else PROBE_MIN
+            # Probes back off (twice as long after each) until drafting has paid for PROBE_MIN
+            # steps in a row. The K > 0 steps right after a probe only echo the probe's own
+            # confidences; letting each such blip reset the gap kept a 2-core CPU engine at
+            # c = 1 probing every ~10 steps, a drafter pass and an 8-token verify each time.
+            if k == 0:
+                self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+                self._drafting_run = 0
+            else:
+                self._drafting_run += 1
+                if self._drafting_run >= PROBE_MIN:
+                    self._probe_every = PROBE_MIN
             self._since_draft = 0
         else:
             lens = plan_verify_lengths(

@@ -97,7 +97,13 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        return any(w.accepted for w in self.prefill) and any(w.accepted for w in self.decode)
+        """A request sent now would be dispatched: a joined decode worker, and a joined prefill
+        worker this router's sender already reaches (a worker says hello as soon as it binds,
+        before the connection back to it is up: /ready answering 200 then made the first request
+        a 503)."""
+        return any(w.accepted and w.sender.connected for w in self.prefill) and any(
+            w.accepted for w in self.decode
+        )
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

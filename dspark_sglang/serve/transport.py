@@ -95,6 +95,13 @@ class Sender:
             self.sock.curve_publickey, self.sock.curve_secretkey = sec.curve
         self.sock.connect(addr)
 
+    @property
+    def connected(self) -> bool:
+        """A send would be queued now: with IMMEDIATE, only once the connection to the peer is up
+        (ZMQ connects asynchronously and retries every 100 ms, so a peer that just bound and said
+        hello may not be reachable yet)."""
+        return bool(self.sock.poll(0, zmq.POLLOUT))
+
     def send(self, frames: list) -> bool:
         if self.sec.hmac_key is not None:
             frames = [self.sec.mac(frames), *frames]

@@ -202,3 +202,25 @@ def test_lagged_skips_a_drafter_that_cannot_pay_and_matches_no_spec() -> None:
     assert va.output_throughput < 0.5 * ns.output_throughput
     free = run_point(CostModel(flat()), "lagged", bank, wl, cfg)
     assert free.output_throughput > 1.5 * ns.output_throughput
+
+
+def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path) -> None:
+    """`simulate record` then `simulate validate` end to end at toy sizes: every validated
+    (policy, c) gets a real and a simulated throughput, and the calibration reports the forward
+    speed per batch size and each policy's host overhead."""
+    profile = Path(__file__).parents[3] / "engine_profiles" / "cpu-tiny-moe.yaml"
+    trace, out = tmp_path / "rounds.jsonl", tmp_path / "validation.json"
+    args = ["--num-prompts", "4", "--output-len", "12"]
+    assert simulate.main(["record", *args, "--batch", "4", "--out", str(trace)]) == 0
+    loads = ["--concurrency", "1,2", "--calibrate-at", "1,3", "--requests-per-user", "1"]
+    val = ["validate", "--profile", str(profile), "--trace", str(trace), *args, *loads]
+    assert simulate.main([*val, "--min-requests", "2", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    got = {(r["policy"], r["concurrency"]) for r in rep["rows"]}
+    assert got == {(p, c) for p in ("no-spec", "lagged") for c in (1, 2)}
+    for r in rep["rows"]:
+        assert r["real_throughput"] > 0 and r["sim_throughput"] > 0
+        assert r["within_10pct"] == (abs(r["error"]) <= 0.10)
+    drift = rep["calibration_forward_vs_profile_by_batch"]
+    assert drift and all(0.2 < v < 5.0 for v in drift.values())
+    assert {"overhead", "overhead_lagged", "draft", "prefill"} <= set(rep)

@@ -21,3 +21,40 @@ def test_ctx_bucket_is_exact_for_small_contexts_and_coarse_for_large_ones() -> N
     assert [ctx_bucket(x) for x in range(32)] == list(range(32))
     assert ctx_bucket(300) == 304 and ctx_bucket(9_600) == 9_728
     assert len({ctx_bucket(x) for x in range(8_192, 16_384)}) == 17
+
+
+def test_probe_gap_resets_only_after_sustained_drafting() -> None:
+    """Each probe doubles the gap to the next one; K > 0 blips right after a probe (its own
+    confidences, read at lag 2) do not reset it, PROBE_MIN drafting steps in a row do, and a
+    skipped step breaks the run."""
+    import numpy as np
+
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import PROBE_MAX, PROBE_MIN, VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
+
+    def step(k: int) -> None:
+        p.plan(ids, logits, max_len, 10, k)
+
+    step(0)
+    assert p._probe_every == 2 * PROBE_MIN
+    step(2)
+    step(3)
+    p.skip(ids, max_len, 10)
+    step(0)
+    assert p._probe_every == 4 * PROBE_MIN  # the blips did not reset it
+    for _ in range(PROBE_MIN - 1):
+        step(2)
+    p.skip(ids, max_len, 10)
+    step(2)
+    assert p._probe_every == 4 * PROBE_MIN  # a skipped step broke the run
+    for _ in range(PROBE_MIN):
+        step(2)
+    assert p._probe_every == PROBE_MIN
+    for _ in range(10):
+        step(0)
+    assert p._probe_every == PROBE_MAX

@@ -46,6 +46,21 @@ def test_send_to_an_absent_peer_does_not_block(tmp_path: Path) -> None:
     rx.close()
 
 
+def test_connected_turns_true_only_once_the_peer_is_reachable(tmp_path: Path) -> None:
+    a, sec = f"ipc://{tmp_path}/c", Security(ServeConfig())
+    tx = Sender(a, sec)
+    assert not tx.connected
+    rx = Receiver(a, sec)
+    deadline = time.monotonic() + 5
+    while not tx.connected:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert tx.send(m.encode(m.Abort(3)))  # connected means the next send is taken
+    assert m.decode(rx.recv(1000))[0] == m.Abort(3)
+    tx.close()
+    rx.close()
+
+
 def _hmac(tmp_path: Path, secret: str) -> Security:
     f = tmp_path / f"{secret}.key"
     f.write_text(secret)
