@@ -7,6 +7,7 @@ concurrency, and writes CSV + PNG + JSON under docs/results/ with the goal ratio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -38,9 +39,11 @@ QUICK = {"policies": ("no-spec", "fixed:3", "lagged"), "concurrency": (1, 4, 16)
 FIXED = ("mtp1", "verify-all")  # plus every fixed:N
 
 
-def server_command(args: argparse.Namespace, policy: str) -> list[str]:
+def server_command(args: argparse.Namespace, policy: str, slot: int = 0) -> list[str]:
+    """`slot` i serves on port + i and zmq-port + 10·i (interleaved sweeps run one per policy)."""
+    port, zmq_port = args.port + slot, args.zmq_port + 10 * slot
     cmd = [sys.executable, "-m", "dspark_sglang.launch_server", "--role", "all"]
-    cmd += ["--host", "127.0.0.1", "--port", str(args.port), "--zmq-port", str(args.zmq_port)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--zmq-port", str(zmq_port)]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     if policy == "no-spec":
@@ -100,10 +103,10 @@ class Server:
         self.log.close()
 
 
-def bench_args(args: argparse.Namespace, policy: str, c: int) -> argparse.Namespace:
+def bench_args(args: argparse.Namespace, policy: str, c: int, slot: int = 0) -> argparse.Namespace:
     n = max(args.prompts_per_concurrency * c, args.min_prompts)
     argv = [
-        "--base-url", f"http://127.0.0.1:{args.port}",
+        "--base-url", f"http://127.0.0.1:{args.port + slot}",
         "--num-prompts", str(n),
         "--max-concurrency", str(c),
         "--output-len", str(args.output_len),
@@ -205,27 +208,53 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
         print(f"throughput at SLA {a} tok/s/user: {s}")
 
 
+def measure(
+    args: argparse.Namespace, policy: str, c: int, pass_no: int, jsonl: Path, slot: int = 0
+) -> dict[str, Any]:
+    rec = serving.run(bench_args(args, policy, c, slot))
+    rec |= {"policy": policy, "concurrency": c, "pass": pass_no}
+    with jsonl.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    budget = rec.get("verify_tokens_per_request") or float("nan")
+    print(
+        f"   c={c:<3d} {policy:<10s} {rec['output_throughput']:8.1f} tok/s  "
+        f"{rec['mean_tps_per_user']:6.1f} tok/s/user  accept {rec['accept_length']:.2f}"
+        f"  budget {budget:.2f}  failed {rec['failed']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return rec
+
+
 def run_policy(
     args: argparse.Namespace, policy: str, pass_no: int, jsonl: Path, log_path: Path
 ) -> list[dict[str, Any]]:
     cmd = server_command(args, policy)
     print(f"== pass {pass_no} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    out = []
     with Server(cmd, f"http://127.0.0.1:{args.port}", log_path, args.ready_timeout):
-        for c in args.concurrency:
-            rec = serving.run(bench_args(args, policy, c))
-            rec |= {"policy": policy, "concurrency": c, "pass": pass_no}
-            out.append(rec)
-            with jsonl.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-            budget = rec.get("verify_tokens_per_request") or float("nan")
-            print(
-                f"   c={c:<3d} {rec['output_throughput']:8.1f} tok/s  "
-                f"{rec['mean_tps_per_user']:6.1f} tok/s/user  accept {rec['accept_length']:.2f}"
-                f"  budget {budget:.2f}  failed {rec['failed']}",
-                file=sys.stderr,
-                flush=True,
-            )
+        return [measure(args, policy, c, pass_no, jsonl) for c in args.concurrency]
+
+
+def run_interleaved(
+    args: argparse.Namespace, first: int, jsonl: Path, log_path: Path
+) -> list[dict[str, Any]]:
+    """Every policy's server up at once (started one after another, so no start-up profile
+    shares the CPU), then each concurrency level measured policy after policy, the order
+    alternating: rivals are measured seconds apart instead of minutes, so the host's drift
+    (up to 13 % between passes on the shared 2-core VM) does not land on one policy."""
+    out = []
+    with contextlib.ExitStack() as stack:
+        for i, policy in enumerate(args.policies):
+            cmd = server_command(args, policy, i)
+            print(f"== server {i} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            url = f"http://127.0.0.1:{args.port + i}"
+            stack.enter_context(Server(cmd, url, log_path, args.ready_timeout))
+        slots = {p: i for i, p in enumerate(args.policies)}
+        for k in range(first, first + args.passes):
+            print(f"== pass {k}", file=sys.stderr, flush=True)
+            for j, c in enumerate(args.concurrency):
+                order = list(args.policies)[:: -1 if (k + j) % 2 else 1]
+                out += [measure(args, p, c, k, jsonl, slots[p]) for p in order]
     return out
 
 
@@ -311,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--name", default="sweep")
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every policy's server up front and measure each concurrency level policy "
+        "after policy (rivals seconds apart; needs memory for all servers at once)",
+    )
+    ap.add_argument(
         "--passes",
         type=int,
         default=1,
@@ -348,11 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             jsonl.write_text("")
             log_path.write_text("")
         first = 1 + max((r.get("pass", 0) for r in old), default=-1)
-        for k in range(first, first + args.passes):
-            # Odd passes run the policies in reverse, so machine drift does not favour one.
-            order = list(args.policies)[:: -1 if k % 2 else 1]
-            for policy in order:
-                raw += run_policy(args, policy, k, jsonl, log_path)
+        if args.interleave:
+            raw += run_interleaved(args, first, jsonl, log_path)
+        else:
+            for k in range(first, first + args.passes):
+                # Odd passes run the policies in reverse, so machine drift does not favour one.
+                order = list(args.policies)[:: -1 if k % 2 else 1]
+                for policy in order:
+                    raw += run_policy(args, policy, k, jsonl, log_path)
     rows = aggregate(raw)
     policies = [p for p in args.policies if any(r["policy"] == p for r in rows)]
     goals = analyse(rows, policies, args.sla)

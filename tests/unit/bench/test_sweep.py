@@ -68,3 +68,47 @@ def test_passes_are_aggregated_by_median() -> None:
     (row,) = sweep.aggregate(raw)
     assert row["passes"] == 3 and row["output_throughput"] == 200.0
     assert row["output_throughput_passes"] == "100.0;300.0;200.0"
+
+
+def test_interleaved_sweep_runs_one_server_per_policy_and_alternates_the_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--interleave: every policy's server is started once on its own ports, then each level is
+    measured policy after policy, the order flipping from level to level and pass to pass."""
+    started: list[list[str]] = []
+    measured: list[tuple[str, str, int]] = []
+
+    class FakeServer:
+        def __init__(self, cmd: list[str], url: str, *_: object) -> None:
+            started.append(cmd)
+            assert url.endswith(cmd[cmd.index("--port") + 1])
+
+        def __enter__(self) -> FakeServer:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+    def fake_run(ns: object) -> dict:
+        meta = dict(ns.metadata)  # type: ignore[attr-defined]
+        measured.append((ns.base_url, meta["policy"], ns.max_concurrency))  # type: ignore[attr-defined]
+        return _row(meta["policy"], ns.max_concurrency, 100.0, 10.0) | {  # type: ignore[attr-defined]
+            "accept_length": 1.0, "failed": 0}  # fmt: skip
+
+    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep.serving, "run", fake_run)
+    argv = ["--interleave", "--passes", "2", "--policies", "no-spec,fixed:3,lagged"]
+    argv += ["--concurrency", "1,4", "--out-dir", str(tmp_path), "--name", "s"]
+    assert sweep.main(argv) == 0
+    ports = [cmd[cmd.index("--port") + 1] for cmd in started]
+    zmq = [cmd[cmd.index("--zmq-port") + 1] for cmd in started]
+    assert len(started) == 3 and len(set(ports)) == 3 and len(set(zmq)) == 3
+    port_of = {cmd[cmd.index("--schedule-mode") + 1] if "--schedule-mode" in cmd else "no-spec":
+               p for cmd, p in zip(started, ports, strict=True)}  # fmt: skip
+    assert all(url.endswith(port_of[p]) for url, p, _ in measured)
+    order = [p for _, p, _ in measured]
+    fwd, back = ["no-spec", "fixed:3", "lagged"], ["lagged", "fixed:3", "no-spec"]
+    assert order == fwd + back + back + fwd  # pass 0: c=1, c=4; pass 1: c=1, c=4
+    assert [c for *_, c in measured] == [1] * 3 + [4] * 3 + [1] * 3 + [4] * 3
+    rows = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert len(rows) == 12
