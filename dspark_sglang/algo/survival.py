@@ -58,20 +58,34 @@ def mask_survival(surv: np.ndarray, max_len: np.ndarray) -> np.ndarray:
 class AcceptancePrior:
     """Per-position conditional acceptance rates, an exponential moving average of what verification
     realised. Stands in for the survival of requests with no published confidences yet, so the
-    lagged K (paper §5.2) never counts a fresh request as survival 1 (DESIGN §3)."""
+    lagged K (paper §5.2) never counts a fresh request as survival 1 (DESIGN §3).
+
+    The starting rates are a guess worth `pseudo` trials: until a position has seen about 1/α
+    trials it averages what it saw (weight t / (n + t + pseudo)), after that the EMA takes over.
+    A fixed α = 0.01 alone kept the lagged engine's guess of 0.5 for hundreds of steps where
+    greedy drafts were accepted at 0.7–0.9, and with K = 0 only sparse probes to learn from, the
+    pessimistic prior held K at 0 (CPU engine, c = 4: 4 drafting steps of 375)."""
 
     rates: tuple[float, ...]
     alpha: float = 0.01  # EMA weight of one (position, request) trial: memory of ~100 trials
+    trials: tuple[float, ...] = ()  # trials folded in so far per position (() = none)
+    pseudo: float = 4.0  # trials the starting rates are worth
 
     def __post_init__(self) -> None:
         if not self.rates or not all(0.0 <= x <= 1.0 for x in self.rates):
             raise ValueError(f"prior rates must be a non-empty tuple in [0, 1], got {self.rates}")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"prior alpha must be in (0, 1], got {self.alpha}")
+        if self.trials and len(self.trials) != len(self.rates):
+            raise ValueError(f"prior trials {len(self.trials)} != rates {len(self.rates)}")
+        if self.pseudo < 0.0:
+            raise ValueError(f"prior pseudo must be >= 0, got {self.pseudo}")
 
     @classmethod
-    def uniform(cls, gamma: int, rate: float = 0.5, alpha: float = 0.01) -> AcceptancePrior:
-        return cls(rates=(float(rate),) * gamma, alpha=alpha)
+    def uniform(
+        cls, gamma: int, rate: float = 0.5, alpha: float = 0.01, pseudo: float = 4.0
+    ) -> AcceptancePrior:
+        return cls(rates=(float(rate),) * gamma, alpha=alpha, pseudo=pseudo)
 
     @property
     def gamma(self) -> int:
@@ -96,9 +110,15 @@ class AcceptancePrior:
         hits = (acc[None, :] >= k).sum(axis=1)
         old = np.asarray(self.rates)
         observed = np.divide(hits, trials, out=old.copy(), where=trials > 0)
-        weight = 1.0 - (1.0 - self.alpha) ** trials
+        seen = np.asarray(self.trials or (0.0,) * self.gamma, dtype=np.float64)
+        weight = np.maximum(1.0 - (1.0 - self.alpha) ** trials, trials / (seen + trials + self.pseudo))
         new = old + weight * (observed - old)
-        return AcceptancePrior(rates=tuple(float(x) for x in new), alpha=self.alpha)
+        return AcceptancePrior(
+            rates=tuple(float(x) for x in new),
+            alpha=self.alpha,
+            trials=tuple(float(x) for x in seen + trials),
+            pseudo=self.pseudo,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,11 +102,35 @@ def test_prior_leaves_untried_positions_and_converges() -> None:
     assert prior.rates == pytest.approx(tuple(truth), abs=0.05)
 
 
+def test_prior_warm_start_averages_its_first_trials() -> None:
+    # 20 trials at position 1, 18 accepted: with α = 0.01 alone the rate would move 18 % of the
+    # way from 0.5 (0.57); worth 4 pseudo-trials, the start is the average of 24: 0.5·4/24 + 0.9·20/24.
+    prior = AcceptancePrior.uniform(1, rate=0.5, alpha=0.01, pseudo=4.0)
+    for i in range(20):
+        prior = prior.observe(np.array([1]), np.array([int(i >= 2)]))
+    assert prior.trials == (20.0,)
+    assert prior.rates[0] == pytest.approx((0.5 * 4 + 18) / 24, abs=0.01)
+    # Once past ~1/α trials the EMA's memory rules: a late flip moves it by about α per trial.
+    for _ in range(400):
+        prior = prior.observe(np.array([1]), np.array([1]))
+    before = prior.rates[0]
+    after = prior.observe(np.array([1]), np.array([0])).rates[0]
+    assert before - after == pytest.approx(0.01 * before, rel=0.05)
+    # pseudo = 0 with α = 1 takes the first observation outright, as before
+    assert AcceptancePrior.uniform(1, alpha=1.0, pseudo=0.0).observe(
+        np.array([1]), np.array([0])
+    ).rates == (0.0,)
+
+
 def test_prior_validation() -> None:
     with pytest.raises(ValueError, match="rates"):
         AcceptancePrior(rates=(1.5,))
     with pytest.raises(ValueError, match="alpha"):
         AcceptancePrior(rates=(0.5,), alpha=0.0)
+    with pytest.raises(ValueError, match="trials"):
+        AcceptancePrior(rates=(0.5,), trials=(1.0, 2.0))
+    with pytest.raises(ValueError, match="pseudo"):
+        AcceptancePrior(rates=(0.5,), pseudo=-1.0)
     with pytest.raises(ValueError, match="accepted_lens"):
         AcceptancePrior.uniform(2).observe(np.array([1]), np.array([2]))
 
