@@ -111,7 +111,8 @@ class AcceptancePrior:
         old = np.asarray(self.rates)
         observed = np.divide(hits, trials, out=old.copy(), where=trials > 0)
         seen = np.asarray(self.trials or (0.0,) * self.gamma, dtype=np.float64)
-        weight = np.maximum(1.0 - (1.0 - self.alpha) ** trials, trials / (seen + trials + self.pseudo))
+        ema = 1.0 - (1.0 - self.alpha) ** trials
+        weight = np.maximum(ema, trials / (seen + trials + self.pseudo))
         new = old + weight * (observed - old)
         return AcceptancePrior(
             rates=tuple(float(x) for x in new),

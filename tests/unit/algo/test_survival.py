@@ -104,7 +104,7 @@ def test_prior_leaves_untried_positions_and_converges() -> None:
 
 def test_prior_warm_start_averages_its_first_trials() -> None:
     # 20 trials at position 1, 18 accepted: with α = 0.01 alone the rate would move 18 % of the
-    # way from 0.5 (0.57); worth 4 pseudo-trials, the start is the average of 24: 0.5·4/24 + 0.9·20/24.
+    # way from 0.5 (0.57); the start is worth 4 pseudo-trials, so the rate is the mean of 24.
     prior = AcceptancePrior.uniform(1, rate=0.5, alpha=0.01, pseudo=4.0)
     for i in range(20):
         prior = prior.observe(np.array([1]), np.array([int(i >= 2)]))
