@@ -38,6 +38,16 @@ PROBE_MIN, PROBE_MAX = 8, 256  # lagged K = 0: steps between drafting probes (do
 # cost that does not grow with the batch (a probe of all 32 requests on the CPU engine cost a
 # 43 ms drafter pass and a 256-token verify).
 PROBE_ROWS = 4
+# Verified drafts at position 1 before probes may back off: until then they come every PROBE_MIN
+# steps. Backing off after a few unlucky probes (3 of 7 first drafts accepted where the drafter
+# averages 0.76) left the prior and the confidence correction on that small sample for hundreds
+# of steps, and lagged at K = 0 where drafting paid 8–13 % (CPU engine, c = 1 and 4).
+PROBE_EVIDENCE = 64
+# Skipped steps age the last drafts' survival toward the prior by this factor per step, and past
+# STALE_FLOOR weight drop it: a request's confidences say how its next few tokens go, not the next
+# hundred. Re-pushing them unchanged let one low-confidence step hold K at 0 until a probe came
+# (runs of 100+ plain steps at c = 1 where drafting averaged 3.5 tokens per step).
+STALE_DECAY, STALE_FLOOR = 0.8, 0.05
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -95,9 +105,8 @@ class VerifyPlanner:
         self._raw_conf: dict[int, np.ndarray] = {}  # this step's raw confidence row per request
         # (request ids, raw confidences) of the last step that drafted; skipped steps re-push it
         self._last_raw: tuple[np.ndarray, np.ndarray] | None = None
-        # what skip() last pushed from: (that _last_raw, the correction then); the same again
-        # re-pushes the same snapshot arrays
-        self._skip_src: tuple[object, object] | None = None
+        # "prior" once skip() pushed the empty (all-prior) snapshot: later skips repeat it
+        self._skip_src: str | None = None
         # the last K and what it was planned from (identities + bytes): the same inputs, same K
         self._k_memo: tuple[tuple[object, ...], int] | None = None
         self._next_key: tuple[object, ...] | None = None  # the inputs _next_k is computed from
@@ -130,8 +139,8 @@ class VerifyPlanner:
         """Lagged K = 0, but draft anyway this step and verify the drafts, to refresh the survival
         history and the confidence correction: without drafts the history only holds old
         confidences and the prior, and a pessimistic prior would keep K at 0 forever even where
-        drafting pays. Probes back off exponentially (PROBE_MIN to PROBE_MAX steps apart) while
-        they keep finding K = 0."""
+        drafting pays. Once PROBE_EVIDENCE drafts were verified, probes back off exponentially
+        (PROBE_MIN to PROBE_MAX steps apart) while they keep finding K = 0."""
         return self._since_draft >= self._probe_every
 
     def probe_rows(self, num_rows: int) -> np.ndarray:
@@ -146,20 +155,28 @@ class VerifyPlanner:
     def skip(self, ids: list[int], max_len: np.ndarray, ctx: int) -> Plan:
         """Lagged K = 0: no drafter this step. The last drafted step's confidences are pushed
         again, under the confidence correction as it stands now (so `lag` pushes stay `lag`
-        steps, and what probes verified reaches K); the next K is planned from the history as
-        usual, while this forward runs."""
+        steps, and what probes verified reaches K), their survival aged toward the prior's by
+        STALE_DECAY per skipped step, then dropped (every request reads the prior); the next K
+        is planned from the history as usual, while this forward runs."""
         r = len(ids)
         sps = self._sps(r, ctx)
         self._since_draft += 1
         self._drafting_run = 0
-        src = (self._last_raw, self.correction)
-        if self._last_raw is None or self._same_skip_src(src):
+        weight = STALE_DECAY**self._since_draft
+        if self._last_raw is None:
             self.history = self.history.repeat()
-        else:  # the last drafts' confidences, under today's correction
+        elif weight < STALE_FLOOR:  # stale: the prior for everyone, pushed once
+            if self._skip_src != "prior":
+                self.history = self.history.push(np.empty(0, np.int64), np.empty((0, self.gamma)))
+                self._skip_src = "prior"
+            else:
+                self.history = self.history.repeat()
+        else:  # the last drafts' confidences, under today's correction, aged
             last_ids, raw = self._last_raw
             conf = self.correction.apply(raw) if self._corrects else raw
-            self.history = self.history.push(last_ids, survival(conf))
-            self._skip_src = src
+            base = self.prior.survival
+            self.history = self.history.push(last_ids, base + (survival(conf) - base) * weight)
+            self._skip_src = None
         self._submit_next(np.asarray(ids), sps, max_len)
         self._count_fallback()
         if self.capacity is not None:  # B = R, no drafter, at the exact context
@@ -203,7 +220,8 @@ class VerifyPlanner:
             # confidences; letting each such blip reset the gap kept a 2-core CPU engine at
             # c = 1 probing every ~10 steps, a drafter pass and an 8-token verify each time.
             if k == 0:
-                self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+                if self._evidence() >= PROBE_EVIDENCE:
+                    self._probe_every = min(2 * self._probe_every, PROBE_MAX)
                 self._drafting_run = 0
             else:
                 self._drafting_run += 1
@@ -232,9 +250,9 @@ class VerifyPlanner:
         theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
         return Plan(lens, int(lens.sum()), predicted, theta, self._fallback)
 
-    def _same_skip_src(self, src: tuple[object, object]) -> bool:
-        last = self._skip_src
-        return last is not None and last[0] is src[0] and last[1] is src[1]
+    def _evidence(self) -> float:
+        """Drafts verified at position 1 so far (probes and drafting steps alike)."""
+        return self.prior.trials[0] if self.prior.trials else 0.0
 
     def _k_key(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[object, ...]:
         lag = self.mode.lag

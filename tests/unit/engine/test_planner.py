@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,14 +30,13 @@ def test_probe_gap_resets_only_after_sustained_drafting() -> None:
     """Each probe doubles the gap to the next one; K > 0 blips right after a probe (its own
     confidences, read at lag 2) do not reset it, PROBE_MIN drafting steps in a row do, and a
     skipped step breaks the run."""
-    import numpy as np
-
     from dspark_sglang.algo.capacity import CapacityModel, TableModel
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
-    from dspark_sglang.engine.planner import PROBE_MAX, PROBE_MIN, VerifyPlanner
+    from dspark_sglang.engine.planner import PROBE_EVIDENCE, PROBE_MAX, PROBE_MIN, VerifyPlanner
 
     cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
     p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    p.prior = replace(p.prior, trials=(float(PROBE_EVIDENCE),) * 4)  # enough evidence to back off
     ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
 
     def step(k: int) -> None:
@@ -58,3 +60,24 @@ def test_probe_gap_resets_only_after_sustained_drafting() -> None:
     for _ in range(10):
         step(0)
     assert p._probe_every == PROBE_MAX
+
+
+def test_probes_do_not_back_off_before_enough_drafts_were_verified() -> None:
+    """A few probes are a small sample: until PROBE_EVIDENCE first drafts were verified the gap
+    stays at PROBE_MIN however often K came out 0; the verified drafts of probes count."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import PROBE_EVIDENCE, PROBE_MIN, VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
+    probes = 0
+    while p._evidence() < PROBE_EVIDENCE:
+        plan = p.plan(ids, logits, max_len, 10, 0)  # a probe: every draft verified
+        assert p._probe_every == PROBE_MIN
+        p.observe_acceptance(plan.lengths, np.array([1]), ids)
+        probes += 1
+    assert probes == PROBE_EVIDENCE
+    p.plan(ids, logits, max_len, 10, 0)
+    assert p._probe_every == 2 * PROBE_MIN
