@@ -81,3 +81,32 @@ def test_probes_do_not_back_off_before_enough_drafts_were_verified() -> None:
     assert probes == PROBE_EVIDENCE
     p.plan(ids, logits, max_len, 10, 0)
     assert p._probe_every == 2 * PROBE_MIN
+
+
+def test_skipped_steps_age_the_last_drafts_toward_the_prior() -> None:
+    """After a drafting step, each skipped step pushes the last drafts' survival moved toward the
+    prior's by STALE_DECAY; once its weight is below STALE_FLOOR every request reads the prior."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import STALE_DECAY, STALE_FLOOR, VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    ids, max_len = [7, 9], np.array([4, 4])
+    logits = np.full((2, 4), -3.0)  # confident it fails: survival far below the prior's
+    p.plan(ids, logits, max_len, 10, 0)
+    drafted = p.history.snapshots[-1][1]
+    base = p.prior.survival
+    assert (drafted[:, 0] < base[0] - 0.3).all()
+    n = 0
+    while STALE_DECAY ** (n + 1) >= STALE_FLOOR:
+        p.skip(ids, max_len, 10)
+        n += 1
+        got = p.history.lagged(np.array(ids), 1, p.prior)
+        np.testing.assert_allclose(got, base + (drafted - base) * STALE_DECAY**n)
+    p.skip(ids, max_len, 10)
+    assert p.history.snapshots[-1][0].size == 0  # nobody: the prior's row for every request
+    np.testing.assert_allclose(p.history.lagged(np.array(ids), 1, p.prior), [base, base])
+    snap = p.history.snapshots[-1]
+    p.skip(ids, max_len, 10)
+    assert p.history.snapshots[-1] is snap  # pushed once, then repeated (the K memo holds)
