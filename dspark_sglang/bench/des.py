@@ -227,7 +227,7 @@ class CostModel:
     capacity: CapacityModel
     overhead: Linear = Linear()
     draft: Linear = Linear()
-    prefill: Linear = Linear()  # extra seconds of a forward carrying prompt tokens
+    prefill: Linear = Linear()  # extra seconds (may be < 0) of a forward carrying prompt tokens
 
     def step_seconds(
         self, num_reqs: int, num_tokens: int, ctx: int, num_drafting: int, prefill_tokens: int = 0
@@ -236,12 +236,18 @@ class CostModel:
         if num_drafting:
             t += self.draft(num_drafting)
         if prefill_tokens:
-            t += self.prefill(prefill_tokens)
+            # The excess may be negative (a prompt token needs no logits, a verify token does),
+            # but a prompt chunk never makes the step cheaper than the step without it.
+            rest = max(num_tokens - prefill_tokens, 1)
+            floor = t - self.capacity.predict(num_reqs, num_tokens, ctx)
+            floor += self.capacity.predict(num_reqs, rest, ctx)
+            t = max(t + self.prefill(prefill_tokens), floor)
         return t
 
     def prefill_seconds(self, prompt_len: int) -> float:
         """One prompt prefilled alone (the PD prefill side)."""
-        return self.capacity.predict(1, prompt_len, prompt_len) + self.prefill(prompt_len)
+        alone = self.capacity.predict(1, prompt_len, prompt_len)
+        return max(alone + self.prefill(prompt_len), self.capacity.predict(1, 1, prompt_len))
 
     def planning_model(self) -> CapacityModel:
         """What the engine's live estimator converges to: the profile with the per-step host

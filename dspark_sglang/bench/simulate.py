@@ -523,13 +523,15 @@ def run_engine_closed_loop(
     }
 
 
-def fit_linear(x: np.ndarray, y: np.ndarray) -> Linear:
-    """Least squares a + b·x with a, b clipped at 0 (robust: the median residual fit)."""
+def fit_linear(x: np.ndarray, y: np.ndarray, signed: bool = False) -> Linear:
+    """Least squares a + b·x with a, b clipped at 0 unless `signed` (robust: the median residual
+    fit)."""
+    lo = -math.inf if signed else 0.0
     if len(np.unique(x)) < 2:
-        return Linear(max(float(np.median(y)), 0.0), 0.0)
+        return Linear(max(float(np.median(y)), lo), 0.0)
     b, a = np.polyfit(x, y, 1)
-    b = max(float(b), 0.0)
-    a = max(float(np.median(y - b * x)), 0.0)
+    b = max(float(b), lo)
+    a = max(float(np.median(y - b * x)), lo)
     return Linear(a, b)
 
 
@@ -610,12 +612,16 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         spec_rows[:, 6],
         spec_rows[:, 1] - spec_rows[:, 5] - np.array([spec_overhead(r) for r in spec_rows[:, 3]]),
     )
-    # Prompt tokens: the profile grid holds decode/verify shapes only, so a step that carries
-    # prefill chunks runs longer than its (R, B) prediction; fit that excess per prompt token.
+    # Prompt tokens: the profile grid holds decode/verify shapes only, and a prompt token costs
+    # less than the verify token the profile prices it as (no logits: lm_head runs on the last
+    # row of a chunk only). Fit that excess per prompt token, signed: clipped at 0 it priced
+    # c = 32, where a quarter of the steps carry a prompt, 16 % slow.
     both = np.concatenate([ns, sp])
     pf = both[both[:, 8] > 0]
     prefill = (
-        fit_linear(pf[:, 8], pf[:, 5] - pf[:, 7] * drift_of(pf[:, 10])) if len(pf) else Linear()
+        fit_linear(pf[:, 8], pf[:, 5] - pf[:, 7] * drift_of(pf[:, 10]), signed=True)
+        if len(pf)
+        else Linear()
     )
     log(
         f"calibration forward/profile by batch {drift_at}; overhead {overhead}, lagged "

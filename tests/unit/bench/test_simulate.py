@@ -114,6 +114,24 @@ def test_the_simulated_planner_prices_steps_as_the_simulator_charges_them(form: 
         assert drafted == pytest.approx(cost.step_seconds(r, b, ctx, r))
 
 
+def test_prompt_tokens_may_cost_less_than_verify_tokens_but_never_below_the_rest() -> None:
+    """A signed prefill excess prices prompt tokens below the verify tokens the profile holds
+    (they need no logits), floored at the step without the prompt chunk."""
+    from dspark_sglang.algo.capacity import TableModel
+
+    base = CapacityModel(TableModel((1, 4, 104, 204), (0.01, 0.01, 0.02, 0.03)))
+    cost = CostModel(base, prefill=Linear(0.0, -0.00005))
+    assert cost.step_seconds(4, 104, 500, 0, 100) == pytest.approx(0.02 - 0.005)
+    assert cost.step_seconds(4, 204, 500, 0, 200) == pytest.approx(0.03 - 0.01)
+    steep = CostModel(base, prefill=Linear(0.0, -0.001))
+    assert steep.step_seconds(4, 104, 500, 0, 100) == pytest.approx(0.01)  # the 4 decode rows
+    assert steep.prefill_seconds(100) == pytest.approx(0.01)  # T(1, 1): never below one row
+    assert CostModel(base).step_seconds(4, 104, 500, 0, 100) == pytest.approx(0.02)
+    x = np.array([10.0, 20.0, 40.0])
+    assert simulate.fit_linear(x, 0.001 - 0.0001 * x, signed=True).b == pytest.approx(-0.0001)
+    assert simulate.fit_linear(x, 0.001 - 0.0001 * x).b == 0.0
+
+
 def test_simulator_is_deterministic_with_a_seed() -> None:
     bank = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["code"]), 5, np.random.default_rng(0),
                           num_trajectories=32, rounds=64)  # fmt: skip
