@@ -513,6 +513,44 @@ def test_forward_timed_steps_teach_the_host_and_whole_drafting_cost() -> None:
     assert untimed.model.host is None
 
 
+def test_the_draft_level_learned_at_some_r_carries_to_an_r_not_drafted_yet() -> None:
+    """The prior's drafter curve (start-up profile: the drafter alone) is half of what drafting
+    really adds at every R. Drafting seen only at R = 1, 2, 4: the published draft term at R = 32
+    is the prior's shape times the learned level, near the truth, not the prior's half."""
+    rng = np.random.default_rng(6)
+
+    def extra(r: int) -> float:
+        return 0.004 + 0.0006 * r
+
+    knots = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    prior = replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) / 2 for r in knots)))
+    est = LiveEstimator(prior)
+    for t in range(300):
+        r = int(rng.choice([1, 2, 4]))
+        b, c = r * int(rng.integers(2, 9)), r * 800
+        fwd = TRUTH.predict(r, b, c) * np.exp(rng.normal(0.0, 0.03))
+        y = fwd + extra(r) * np.exp(rng.normal(0.0, 0.03))
+        est.observe(
+            StepRecord(t, r, b, 0, r, c, float(y), draft_seconds=0.001, forward_seconds=fwd)
+        )
+    m = est.model
+    for r in (1, 4):
+        assert float(m.draft_seconds(r)) == pytest.approx(extra(r), rel=0.05)
+    for r in (16, 32, 64):
+        assert float(m.draft_seconds(r)) == pytest.approx(extra(r), rel=0.1)
+    # a prior that was right stays right where nothing was seen
+    exact = LiveEstimator(replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) for r in knots))))
+    for t in range(100):
+        r = 2
+        fwd = TRUTH.predict(r, 8, 1600)
+        exact.observe(
+            StepRecord(
+                t, r, 8, 0, r, 1600, fwd + extra(r), draft_seconds=0.001, forward_seconds=fwd
+            )
+        )
+    assert float(exact.model.draft_seconds(32)) == pytest.approx(extra(32), rel=0.02)
+
+
 def test_host_term_round_trips_and_enters_every_price() -> None:
     m = replace(additive(), host=Curve((1.0, 64.0), (0.001, 0.003)))
     assert CapacityModel.from_dict(m.to_dict()) == m
