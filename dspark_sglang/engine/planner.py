@@ -41,12 +41,16 @@ PROBE_ROWS = 4
 # Verified drafts at position 1 before probes may back off: until then they come every PROBE_MIN
 # steps. Backing off after a few unlucky probes (3 of 7 first drafts accepted where the drafter
 # averages 0.76) left the prior and the confidence correction on that small sample for hundreds
-# of steps, and lagged at K = 0 where drafting paid 8–13 % (CPU engine, c = 1 and 4).
-PROBE_EVIDENCE = 64
-# Skipped steps age the last drafts' survival toward the prior by this factor per step, and past
+# of steps, and lagged at K = 0 where drafting paid 8–13 % (CPU engine, c = 1 and 4). 64 cost
+# 64 probes at c = 1 where drafting never pays (T = 1: 0.93 -> 0.87 of no-spec with the aging).
+PROBE_EVIDENCE = 32
+# Skipped steps age the last drafts' survival toward the prior by STALE_DECAY per step, and past
 # STALE_FLOOR weight drop it: a request's confidences say how its next few tokens go, not the next
 # hundred. Re-pushing them unchanged let one low-confidence step hold K at 0 until a probe came
-# (runs of 100+ plain steps at c = 1 where drafting averaged 3.5 tokens per step).
+# (runs of 100+ plain steps at c = 1 where drafting averaged 3.5 tokens per step). The aged
+# snapshot is pushed after 1, 2, 4, 8 … skipped steps and repeated in between: each new one
+# costs a K recomputation (on the worker thread, 0.25 ms at c = 1), fourteen in a row after
+# every probe were 43 % of a T = 1 run's steps.
 STALE_DECAY, STALE_FLOOR = 0.8, 0.05
 
 
@@ -156,15 +160,17 @@ class VerifyPlanner:
         """Lagged K = 0: no drafter this step. The last drafted step's confidences are pushed
         again, under the confidence correction as it stands now (so `lag` pushes stay `lag`
         steps, and what probes verified reaches K), their survival aged toward the prior's by
-        STALE_DECAY per skipped step, then dropped (every request reads the prior); the next K
-        is planned from the history as usual, while this forward runs."""
+        STALE_DECAY per skipped step (re-pushed after 1, 2, 4, 8 … skipped steps, repeated in
+        between), then dropped (every request reads the prior); the next K is planned from the
+        history as usual, while this forward runs."""
         r = len(ids)
         sps = self._sps(r, ctx)
         self._since_draft += 1
         self._drafting_run = 0
-        weight = STALE_DECAY**self._since_draft
-        if self._last_raw is None:
-            self.history = self.history.repeat()
+        age = self._since_draft
+        weight = STALE_DECAY**age
+        if self._last_raw is None or (age & (age - 1) and weight >= STALE_FLOOR):
+            self.history = self.history.repeat()  # no snapshot yet, or between two agings
         elif weight < STALE_FLOOR:  # stale: the prior for everyone, pushed once
             if self._skip_src != "prior":
                 self.history = self.history.push(np.empty(0, np.int64), np.empty((0, self.gamma)))

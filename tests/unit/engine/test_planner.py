@@ -84,8 +84,9 @@ def test_probes_do_not_back_off_before_enough_drafts_were_verified() -> None:
 
 
 def test_skipped_steps_age_the_last_drafts_toward_the_prior() -> None:
-    """After a drafting step, each skipped step pushes the last drafts' survival moved toward the
-    prior's by STALE_DECAY; once its weight is below STALE_FLOOR every request reads the prior."""
+    """After a drafting step, skipped steps push the last drafts' survival moved toward the
+    prior's by STALE_DECAY per step (re-aged after 1, 2, 4, 8 skipped steps, the same snapshot
+    repeated in between); once its weight is below STALE_FLOOR every request reads the prior."""
     from dspark_sglang.algo.capacity import CapacityModel, TableModel
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import STALE_DECAY, STALE_FLOOR, VerifyPlanner
@@ -98,12 +99,15 @@ def test_skipped_steps_age_the_last_drafts_toward_the_prior() -> None:
     drafted = p.history.snapshots[-1][1]
     base = p.prior.survival
     assert (drafted[:, 0] < base[0] - 0.3).all()
-    n = 0
+    n, aged = 0, 0
     while STALE_DECAY ** (n + 1) >= STALE_FLOOR:
         p.skip(ids, max_len, 10)
         n += 1
+        if n & (n - 1) == 0:  # re-aged after 1, 2, 4, 8 … skipped steps, repeated in between
+            aged = n
         got = p.history.lagged(np.array(ids), 1, p.prior)
-        np.testing.assert_allclose(got, base + (drafted - base) * STALE_DECAY**n)
+        np.testing.assert_allclose(got, base + (drafted - base) * STALE_DECAY**aged)
+    assert aged == 8
     p.skip(ids, max_len, 10)
     assert p.history.snapshots[-1][0].size == 0  # nobody: the prior's row for every request
     np.testing.assert_allclose(p.history.lagged(np.array(ids), 1, p.prior), [base, base])
