@@ -64,10 +64,16 @@ class AcceptancePrior:
     trials it averages what it saw (weight t / (n + t + pseudo)), after that the EMA takes over.
     A fixed α = 0.01 alone kept the lagged engine's guess of 0.5 for hundreds of steps where
     greedy drafts were accepted at 0.7–0.9, and with K = 0 only sparse probes to learn from, the
-    pessimistic prior held K at 0 (CPU engine, c = 4: 4 drafting steps of 375)."""
+    pessimistic prior held K at 0 (CPU engine, c = 4: 4 drafting steps of 375).
+
+    Memory is counted in trials, and a step verifies up to R·γ of them: α = 0.01 forgot
+    everything older than a step or two at c = 16, so the rates followed the last few requests'
+    text (position 3 at 0.34 where the run's rate was 0.69) and flipped lagged's K = 0 decision
+    with them. α = 0.002 keeps about 500 trials (CPU engine, c = 4 → 16 → 64 → 4 → 16: 10 and 1
+    drafting steps of ~370 on the way back down at 0.01, 85 of 145 and 65 of 152 at 0.002)."""
 
     rates: tuple[float, ...]
-    alpha: float = 0.01  # EMA weight of one (position, request) trial: memory of ~100 trials
+    alpha: float = 0.002  # EMA weight of one (position, request) trial: memory of ~500 trials
     trials: tuple[float, ...] = ()  # trials folded in so far per position (() = none)
     pseudo: float = 4.0  # trials the starting rates are worth
 
@@ -83,7 +89,7 @@ class AcceptancePrior:
 
     @classmethod
     def uniform(
-        cls, gamma: int, rate: float = 0.5, alpha: float = 0.01, pseudo: float = 4.0
+        cls, gamma: int, rate: float = 0.5, alpha: float = 0.002, pseudo: float = 4.0
     ) -> AcceptancePrior:
         return cls(rates=(float(rate),) * gamma, alpha=alpha, pseudo=pseudo)
 
@@ -130,16 +136,17 @@ class ConfidenceCorrection:
     samples at others (greedy accepts far more than T = 1) and drifts. Position k's ratio is
     ρ_k = (observed + w·g) / (predicted + w) over its conditional trials (verified, every earlier
     draft accepted): observed counts the accepted ones and predicted sums their raw confidences,
-    both decayed by (1 − α) per trial (a memory of about 1/α trials); g is the same ratio over all
-    positions, so a position with few trials follows the global one. Starts at ρ = 1."""
+    both decayed by (1 − α) per trial (a memory of about 1/α trials, the prior's: see
+    AcceptancePrior); g is the same ratio over all positions, so a position with few trials
+    follows the global one. Starts at ρ = 1."""
 
     pred: tuple[float, ...]
     obs: tuple[float, ...]
-    alpha: float = 0.01
+    alpha: float = 0.002
     weight: float = 4.0  # pseudo-trials pulling ρ_k toward the global ratio (and g toward 1)
 
     @classmethod
-    def identity(cls, gamma: int, alpha: float = 0.01) -> ConfidenceCorrection:
+    def identity(cls, gamma: int, alpha: float = 0.002) -> ConfidenceCorrection:
         return cls((0.0,) * gamma, (0.0,) * gamma, alpha)
 
     @property

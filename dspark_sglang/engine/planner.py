@@ -52,6 +52,11 @@ PROBE_EVIDENCE = 32
 # costs a K recomputation (on the worker thread, 0.25 ms at c = 1), fourteen in a row after
 # every probe were 43 % of a T = 1 run's steps.
 STALE_DECAY, STALE_FLOOR = 0.8, 0.05
+# A backed-off probe gap belongs to the load it was learned at: once the batch is more than
+# LOAD_SHIFT times larger or smaller than when probes last came every PROBE_MIN steps, they do
+# again. A drop from c = 64, where drafting does not pay and the gap grew to PROBE_MAX, to c = 4
+# otherwise waited up to 256 steps (eight 128-token requests at c = 4) to learn that it pays now.
+LOAD_SHIFT = 2
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -103,6 +108,7 @@ class VerifyPlanner:
         self._probe_every = PROBE_MIN
         self._drafting_run = 0  # consecutive steps with K > 0
         self._probe_next = 0  # rotation offset of the rows the next probe drafts
+        self._probe_load = 0  # batch size when the probe gap was last PROBE_MIN
         # live recalibration of the confidences (capacity-driven modes only)
         self.correction = ConfidenceCorrection.identity(gamma)
         self._corrects = mode.name in ("sync", "lagged")
@@ -147,6 +153,13 @@ class VerifyPlanner:
         (PROBE_MIN to PROBE_MAX steps apart) while they keep finding K = 0."""
         return self._since_draft >= self._probe_every
 
+    def _track_load(self, r: int) -> None:
+        """Resets the probe gap after a load shift (LOAD_SHIFT); remembers the load while the gap
+        is at its minimum."""
+        ref = self._probe_load
+        if self._probe_every == PROBE_MIN or not ref / LOAD_SHIFT <= r <= ref * LOAD_SHIFT:
+            self._probe_every, self._probe_load = PROBE_MIN, r
+
     def probe_rows(self, num_rows: int) -> np.ndarray:
         """Indices of the rows a probe drafts: PROBE_ROWS of them, rotating through the batch so
         successive probes see different requests (all rows when there are no more)."""
@@ -165,6 +178,7 @@ class VerifyPlanner:
         history as usual, while this forward runs."""
         r = len(ids)
         sps = self._sps(r, ctx)
+        self._track_load(r)
         self._since_draft += 1
         self._drafting_run = 0
         age = self._since_draft
@@ -225,6 +239,7 @@ class VerifyPlanner:
             # steps in a row. The K > 0 steps right after a probe only echo the probe's own
             # confidences; letting each such blip reset the gap kept a 2-core CPU engine at
             # c = 1 probing every ~10 steps, a drafter pass and an 8-token verify each time.
+            self._track_load(len(batch[0]) if batch is not None else r)
             if k == 0:
                 if self._evidence() >= PROBE_EVIDENCE:
                     self._probe_every = min(2 * self._probe_every, PROBE_MAX)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
+    ConfidenceCorrection,
     SurvivalHistory,
     mask_survival,
     max_verify_lengths,
@@ -120,6 +121,23 @@ def test_prior_warm_start_averages_its_first_trials() -> None:
     assert AcceptancePrior.uniform(1, alpha=1.0, pseudo=0.0).observe(
         np.array([1]), np.array([0])
     ).rates == (0.0,)
+
+
+def test_one_large_step_does_not_overwrite_what_the_defaults_learned() -> None:
+    """Memory counts trials and one step at c = 64 verifies hundreds: a step of 100 trials that
+    disagrees moves the default prior and correction a fraction of the way, not most of it."""
+    prior = AcceptancePrior.uniform(1)
+    corr = ConfidenceCorrection.identity(1)
+    conf = np.full((400, 1), 0.5)
+    prior = prior.observe(np.ones(400, np.int64), np.ones(400, np.int64))  # all accepted
+    corr = corr.observe(conf, np.ones(400, np.int64), np.ones(400, np.int64))
+    rate, ratio = prior.rates[0], corr.ratios[0]
+    assert rate > 0.99 and ratio == pytest.approx(2.0, rel=0.02)
+    none = np.zeros(100, np.int64)
+    prior = prior.observe(np.ones(100, np.int64), none)  # then 100 rejected
+    corr = corr.observe(conf[:100], np.ones(100, np.int64), none)
+    assert rate - prior.rates[0] < 0.25  # 0.63 at α = 0.01
+    assert ratio - corr.ratios[0] < 0.6  # 0.81 at α = 0.01
 
 
 def test_prior_validation() -> None:

@@ -114,3 +114,35 @@ def test_skipped_steps_age_the_last_drafts_toward_the_prior() -> None:
     snap = p.history.snapshots[-1]
     p.skip(ids, max_len, 10)
     assert p.history.snapshots[-1] is snap  # pushed once, then repeated (the K memo holds)
+
+
+def test_a_load_shift_brings_the_probe_gap_back_to_its_minimum() -> None:
+    """The gap backed off at one load is reset once the batch is LOAD_SHIFT times larger or
+    smaller than when it was last at PROBE_MIN; the load moving less keeps it."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import (
+        LOAD_SHIFT,
+        PROBE_EVIDENCE,
+        PROBE_MAX,
+        PROBE_MIN,
+        VerifyPlanner,
+    )
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    p.prior = replace(p.prior, trials=(float(PROBE_EVIDENCE),) * 4)
+    big = list(range(32))
+    for _ in range(8):  # probes at R = 32 that keep finding K = 0
+        p.plan(big, np.zeros((32, 4)), np.full(32, 4), 10, 0)
+    assert p._probe_every == PROBE_MAX
+    near = list(range(32 // LOAD_SHIFT))  # exactly LOAD_SHIFT times smaller: the same load
+    p.skip(near, np.full(len(near), 4), 10)
+    assert p._probe_every == PROBE_MAX
+    small = list(range(32 // LOAD_SHIFT - 1))
+    p.skip(small, np.full(len(small), 4), 10)
+    assert p._probe_every == PROBE_MIN
+    # a probe drafting a few rows of a large batch is priced at the whole batch's load
+    for _ in range(8):
+        p.plan(small[:4], np.zeros((4, 4)), np.full(4, 4), 10, 0, batch=(small, np.full(15, 4), 10))
+    assert p._probe_every == PROBE_MAX
