@@ -31,7 +31,7 @@ class DraftBatch:
 class Proposal:
     seq_ids: list[int]
     tokens: torch.Tensor  # [N, g]
-    q: torch.Tensor  # [N, g, V] fp32
+    q: torch.Tensor | None  # [N, g, V] fp32; None: every row greedy (q would be one-hot)
     conf_logits: torch.Tensor | None  # [N, g]
 
     def row_of(self) -> dict[int, int]:
@@ -71,6 +71,20 @@ def verify_step(
     """Rejection-sample every sampling sequence's rows; logits [sum(row_counts), V]."""
     if not seqs:  # a step of prefill chunks only
         return VerifyResult({}, {})
+    if all(s.params.greedy for s in seqs):
+        return _verify_greedy(logits, seqs, row_counts, drafts)
+    return _verify_sampled(logits, seqs, row_counts, drafts, proposal, generators)
+
+
+def _verify_sampled(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    row_counts: list[int],
+    drafts: dict[int, list[int]],
+    proposal: Proposal | None,
+    generators: list[torch.Generator | None],
+) -> VerifyResult:
+    """The general rejection sampler over padded [R, g+1, V] target and [R, g, V] draft probs."""
     n, vocab = len(seqs), logits.shape[-1]
     device = logits.device
     g = max(row_counts) - 1
@@ -96,7 +110,10 @@ def verify_step(
             ell = len(drafts.get(s.seq_id, ()))
             if ell:
                 j = rows[s.seq_id]
-                q[i, :ell] = proposal.q[j, :ell]
+                if proposal.q is not None:
+                    q[i, :ell] = proposal.q[j, :ell]
+                else:  # an all-greedy proposal: its q is one-hot at each draft
+                    q[i, :ell].scatter_(-1, proposal.tokens[j, :ell, None], 1.0)
                 draft_ids[i, :ell] = proposal.tokens[j, :ell]
     uniforms = torch.full((n, g), 0.5, device=device)
     expo = torch.ones(n, vocab, device=device)
@@ -114,6 +131,30 @@ def verify_step(
     for i, s in enumerate(seqs):
         tokens[s.seq_id] = [*drafts.get(s.seq_id, [])[: n_acc[i]], bonus[i]]
         accepted[s.seq_id] = n_acc[i]
+    return VerifyResult(tokens, accepted)
+
+
+def _verify_greedy(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    row_counts: list[int],
+    drafts: dict[int, list[int]],
+) -> VerifyResult:
+    """Every sequence greedy: p and q are one-hot, so rejection sampling reduces to exact match
+    (a draft is accepted iff it is the target's argmax there; the bonus is the argmax after the
+    accepted prefix), which needs no [R, g+1, V] probability tensors. Ties break toward the
+    lower id, as processed_probs does."""
+    best = logits.argmax(dim=-1).tolist()  # the step's one host sync
+    tokens, accepted = {}, {}
+    start = 0
+    for s, count in zip(seqs, row_counts, strict=True):
+        d = drafts.get(s.seq_id, [])[: count - 1]
+        n = 0
+        while n < len(d) and d[n] == best[start + n]:
+            n += 1
+        tokens[s.seq_id] = [*d[:n], best[start + n]]
+        accepted[s.seq_id] = n
+        start += count
     return VerifyResult(tokens, accepted)
 
 

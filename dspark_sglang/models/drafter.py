@@ -193,17 +193,30 @@ class DSparkDrafter(nn.Module):
         anchors: torch.Tensor,
         temperatures: torch.Tensor,
         generators: list[torch.Generator | None],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sample drafts left to right. -> tokens [N, g], q [N, g, V] fp32, conf logits [N, g].
 
         q is the one distribution the tokens were drawn from and the verifier divides by;
         temperature 0 makes it one-hot at the argmax (greedy verification = exact match).
+        q is None when every row is greedy: nothing reads it then, and the softmax, the race
+        and the one-hot over the vocabulary were a quarter of a 30-row CPU drafting pass.
         """
         g = h.shape[1]
         base = self.lm_head(h).float()  # [N, g, V]
         prev = anchors
         state = self.markov_head.init_state(h[:, 0]) if self.markov_head is not None else None
         greedy = temperatures <= 0
+        if bool(greedy.all()):
+            toks = []
+            for k in range(g):
+                logits = base[:, k]
+                if self.markov_head is not None:
+                    bias, state = self.markov_head.step(h[:, k], prev, state)
+                    logits = logits + bias.float()
+                prev = logits.argmax(-1)
+                toks.append(prev)
+            tokens = torch.stack(toks, dim=1)
+            return tokens, None, self._confidence(h, anchors, tokens)
         any_greedy = bool(greedy.any())  # host-side once, so sampled rows skip the one-hot path
         temp = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
         # All of a row's noise in one draw ([g, V], the same stream order as slot by slot).
@@ -230,9 +243,14 @@ class DSparkDrafter(nn.Module):
             qs.append(probs)
             prev = tok
         tokens = torch.stack(toks, dim=1)  # [N, g]
-        conf = None
-        if self.confidence_head is not None:  # reads prev_k, all known now: one batched call
-            prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
-            emb = self.markov_head.markov_w1(prevs) if self.confidence_head.with_markov else None
-            conf = self.confidence_head(h, emb)
-        return tokens, torch.stack(qs, dim=1), conf
+        return tokens, torch.stack(qs, dim=1), self._confidence(h, anchors, tokens)
+
+    def _confidence(
+        self, h: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        # reads prev_k, all known once the drafts are: one batched call
+        prevs = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+        emb = self.markov_head.markov_w1(prevs) if self.confidence_head.with_markov else None
+        return self.confidence_head(h, emb)

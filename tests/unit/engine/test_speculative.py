@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from dspark_sglang import LLM, SamplingParams
-from dspark_sglang.engine.speculative import DraftBatch, Proposal
+from dspark_sglang.engine.sequence import Sequence
+from dspark_sglang.engine.speculative import (
+    DraftBatch,
+    Proposal,
+    _verify_greedy,
+    _verify_sampled,
+    verify_step,
+)
 from tests.conftest import VOCAB, hf_reference, write_drafter, write_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -65,6 +72,38 @@ class ContinuationDrafter:
                 conf[i, k] = (6.0 if ok else -6.0) if self.conf_logit is None else self.conf_logit
         q = torch.nn.functional.one_hot(toks, VOCAB).float()
         return Proposal(batch.seq_ids, toks, q, conf)
+
+
+def test_greedy_exact_match_equals_the_rejection_sampler() -> None:
+    """The all-greedy shortcut is the general sampler's answer: accepted prefix and bonus alike,
+    on logits with ties (lowest id wins), drafts that match partly, wholly or not at all, rows
+    without drafts, and a proposal with and without q."""
+    rng = np.random.default_rng(0)
+    vocab, g = 12, 4
+    for trial in range(200):
+        r = int(rng.integers(1, 6))
+        lens = rng.integers(0, g + 1, r)
+        counts = [int(x) + 1 for x in lens]
+        # few distinct values: ties in most rows
+        logits = torch.tensor(rng.integers(0, 3, (sum(counts), vocab)), dtype=torch.float32)
+        best = logits.argmax(-1).tolist()
+        seqs = [Sequence(i, [1], SamplingParams(temperature=0.0), i) for i in range(r)]
+        toks = torch.zeros(r, g, dtype=torch.long)
+        drafts, start = {}, 0
+        for i, ell in enumerate(lens):
+            agree = int(rng.integers(0, ell + 1))  # a prefix the target agrees with
+            d = [best[start + k] if k < agree else int(rng.integers(0, vocab)) for k in range(ell)]
+            toks[i, :ell] = torch.tensor(d, dtype=torch.long)
+            if ell:
+                drafts[i] = d
+            start += counts[i]
+        q = torch.nn.functional.one_hot(toks, vocab).float() if trial % 2 else None
+        prop = Proposal(list(range(r)), toks, q, None)
+        gens: list[torch.Generator | None] = [None] * r
+        fast = _verify_greedy(logits, seqs, counts, drafts)
+        slow = _verify_sampled(logits, seqs, counts, drafts, prop, gens)
+        assert fast == slow, (trial, fast, slow)
+        assert verify_step(logits, seqs, counts, drafts, prop, gens) == fast
 
 
 @pytest.mark.parametrize("mode", MODES)

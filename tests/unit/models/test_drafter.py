@@ -137,6 +137,29 @@ def test_propose_is_sequential_and_consistent_with_teacher_forcing(
         torch.testing.assert_close(conf, conf_tf)
 
 
+@pytest.mark.parametrize("kind", ["dspark", "rnn", "dflash"])
+def test_all_greedy_propose_skips_q_and_drafts_what_a_mixed_batch_does(
+    target_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    target = load_target(target_dir)
+    m = load_drafter(write_drafter(tmp_path / kind, target_dir, kind), target)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(3, m.cfg.block_size, m.cfg.hidden_size, generator=g)
+    anchors = torch.tensor([4, 5, 6])
+    with torch.no_grad():
+        toks, q, conf = m.propose(h, anchors, torch.zeros(3), [None] * 3)
+        mixed = m.propose(h, anchors, torch.tensor([0.0, 0.0, 1.0]), [None, None, g])
+        prev = torch.cat([anchors[:, None], toks[:, :-1]], dim=1)
+        logits, conf_tf = m.corrected_logits(h, prev)
+    assert q is None
+    assert toks.tolist() == logits.argmax(-1).tolist()
+    assert toks[:2].tolist() == mixed[0][:2].tolist()
+    if kind == "dflash":
+        assert conf is None
+    else:
+        torch.testing.assert_close(conf, conf_tf)
+
+
 def test_drafter_that_does_not_fit_the_target(target_dir: Path, tmp_path: Path) -> None:
     target = load_target(target_dir)
     bad_taps = write_drafter(tmp_path / "a", target_dir, target_layer_ids=[0, 2])
