@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from dspark_sglang.config import ArchConfig, CacheConfig, ConfigError, DraftConfig, ModelConfig
 from dspark_sglang.engine.batch import ForwardBatch
@@ -130,7 +131,9 @@ class ModelRunner:
         self, batch: DraftBatch, temperatures: torch.Tensor, gens: list[torch.Generator | None]
     ) -> Proposal:
         assert self.drafter is not None
-        flat, shape = batch.ctx_slots.reshape(-1), batch.ctx_slots.shape
+        # g scratch rows per request (slot 0, overwritten) for the block's own K/V
+        slots = F.pad(batch.ctx_slots, (0, self.drafter.cfg.block_size))
+        flat, shape = slots.reshape(-1), slots.shape
         ctx = [
             (
                 k.index_select(0, flat).view(*shape, *k.shape[1:]),
@@ -138,7 +141,9 @@ class ModelRunner:
             )
             for k, v in self.draft_kv
         ]
-        h = self.drafter.forward_block(batch.anchors, batch.anchor_pos, ctx, batch.ctx_mask)
+        h = self.drafter.forward_block(
+            batch.anchors, batch.anchor_pos, ctx, batch.ctx_mask, block_room=True
+        )
         tokens, q, conf = self.drafter.propose(h, batch.anchors, temperatures, gens)
         return Proposal(batch.seq_ids, tokens, q, conf)
 

@@ -106,9 +106,14 @@ def test_padded_batched_block_equals_naive_per_request(target_dir: Path, tmp_pat
         ctx = [(torch.stack(k), torch.stack(v)) for k, v in zip(ctx_k, ctx_v, strict=True)]
         mask = torch.arange(lmax)[None] < torch.tensor(lens)[:, None]
         h = m.forward_block(anchors, torch.tensor(lens), ctx, mask)
+        # the runner's layout: g scratch rows after the context, overwritten by the block
+        junk = torch.randn(len(lens), m.cfg.block_size, *ctx[0][0].shape[2:], generator=g)
+        roomy = [(torch.cat([k, junk], 1), torch.cat([v, junk], 1)) for k, v in ctx]
+        h_room = m.forward_block(anchors, torch.tensor(lens), roomy, mask, block_room=True)
         for r, t in enumerate(taps):
             want = naive_block(m, t, int(anchors[r]), lens[r])
             torch.testing.assert_close(h[r], want, atol=1e-5, rtol=1e-4)
+        assert torch.equal(h_room, h)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "gated", "rnn", "dflash"])
