@@ -54,6 +54,22 @@ def test_analyse_goals() -> None:
     assert g["throughput_at_sla"]["200.0"]["lagged"] is None
 
 
+def test_paired_ratios_compare_within_each_pass() -> None:
+    """A host that runs pass 1 twice as fast as pass 0 moves every median but no paired ratio."""
+    raw = [
+        _row("no-spec", 4, 100, 25) | {"pass": 0}, _row("fixed:3", 4, 120, 30) | {"pass": 0},
+        _row("lagged", 4, 114, 28) | {"pass": 0},
+        _row("no-spec", 4, 200, 50) | {"pass": 1}, _row("fixed:3", 4, 240, 60) | {"pass": 1},
+        _row("lagged", 4, 240, 60) | {"pass": 1},
+        _row("lagged", 8, 50, 6) | {"pass": 0},  # no rival at c = 8: no ratio
+    ]  # fmt: skip
+    assert sweep.paired_ratios(raw) == {4: [pytest.approx(0.95), pytest.approx(1.0)]}
+    rows = sweep.aggregate(raw)
+    (x,) = sweep.analyse(rows, ["no-spec", "fixed:3", "lagged"], (), raw)["per_concurrency"]
+    assert x["paired_median"] == pytest.approx(0.975) and x["paired_passes_ge_0.97"] == 1
+    assert x["ratio"] == pytest.approx(177 / 180)  # ratio of medians, kept as it was
+
+
 def test_replot_from_jsonl(tmp_path: Path) -> None:
     rows = [_row(p, c, 100.0 * c, 100.0 / c) for p in ("no-spec", "lagged") for c in (1, 2)]
     (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
