@@ -108,3 +108,8 @@ class StepRecord:
     draft_seconds: float = 0.0  # wall time of the drafter this step (0: it did not run)
     # wall time of the target forward (logits included) alone; nan: the engine did not time it
     forward_seconds: float = float("nan")
+    num_draft_reqs: int = 0  # rows the drafter ran on (0: it did not run)
+    # a lagged probe: the drafter ran on a few rows of a K = 0 step for acceptance evidence; its
+    # time (a few rows, plus the draft-context backlog of every row since the last drafting
+    # step) prices no step the planner chooses between, so the draft term does not learn from it
+    probe: bool = False

@@ -242,7 +242,12 @@ class LiveEstimator:
         self.num_observed += 1
         args = (rec.num_reqs, rec.num_tokens, rec.kv_tokens)
         drafted = rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds)
-        self._ape.append(abs(self.model.predict(*args, drafted=drafted) - y) / y)
+        # the drafter's time is keyed by the rows it drafted (a probe's few, not the step's R)
+        draft_r = rec.num_draft_reqs if rec.num_draft_reqs > 0 else rec.num_reqs
+        pred_y = self.model.predict(*args) + (
+            float(self.model.draft_seconds(draft_r)) if drafted else 0.0
+        )
+        self._ape.append(abs(pred_y - y) / y)
         self._count_experts(rec.routed_tokens_per_expert)
         fwd = rec.forward_seconds
         split = 0.0 < fwd <= y and math.isfinite(fwd)
@@ -254,13 +259,13 @@ class LiveEstimator:
             rest = y - fwd
             if drafted:
                 dsec = max(rest - self._host_at(rec.num_reqs), 0.0)
-                self._observe_draft(rec.num_reqs, dsec)
+                self._observe_draft(draft_r, dsec, rec.probe)
             else:
                 self._observe_host(rec.num_reqs, rest)
             y = fwd
         elif drafted:
             dsec = rec.draft_seconds
-            self._observe_draft(rec.num_reqs, dsec)
+            self._observe_draft(draft_r, dsec, rec.probe)
             y = max(y - dsec, 0.05 * y)  # the forward's share: what the form prices
         ex = executed_tokens(self._base.form.buckets, rec.num_tokens)
         i = min(int(np.searchsorted(self._grid, ex)), self._grid.size - 1)
@@ -272,7 +277,7 @@ class LiveEstimator:
         d = e - self._g - u
         self._resid.append(d)
         self._level.append(e - u)
-        self._draft_recent.append((rec.num_reqs, dsec))
+        self._draft_recent.append((draft_r, 0.0 if rec.probe else dsec))
         sigma = self._sigma()
         z = max(-cfg.reject_z, min(cfg.reject_z, d / sigma))
         for side, zz in enumerate((z, -z)):
@@ -311,7 +316,9 @@ class LiveEstimator:
         self._since += 1
         return self._publish() if self._since >= cfg.publish_every else None
 
-    def _observe_draft(self, num_reqs: int, seconds: float) -> None:
+    def _observe_draft(self, num_reqs: int, seconds: float, probe: bool = False) -> None:
+        if probe:  # a few rows plus every row's draft-context backlog: no step's price
+            return
         mean, n = self._draft.get(num_reqs, (seconds, 0.0))
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)

@@ -162,6 +162,7 @@ class LLMEngine:
         self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
         self._draft_seconds = 0.0
+        self._draft_rows = 0
         self._forward_seconds = math.nan
         self._planned_ids: frozenset[int] = frozenset()
         # verified rows (taps, positions, slots) not yet projected into the drafter's context
@@ -319,6 +320,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._last_plan, self._draft_seconds, self._planned_ids = None, 0.0, frozenset()
+        self._draft_rows = 0
         self._forward_seconds = math.nan
         proposal, drafts = self._draft()
         plan = self.scheduler.schedule(drafts)
@@ -399,6 +401,7 @@ class LLMEngine:
             else None
         )
         self._draft_seconds = time.perf_counter() - t0
+        self._draft_rows = len(ready)
         self._last_plan = self.planner.plan(ids, logits, max_len, ctx, k, whole)
         lens = self._last_plan.lengths
         toks = proposal.tokens.tolist()  # draft ids go into the host-built batch
@@ -534,6 +537,8 @@ class LLMEngine:
             routed_tokens_per_rank=_per_rank(per_expert, self.config.parallel.ep_size),
             draft_seconds=self._draft_seconds,
             forward_seconds=self._forward_seconds,
+            num_draft_reqs=self._draft_rows,
+            probe=p is not None and p.probe,
         )
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()

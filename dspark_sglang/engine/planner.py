@@ -80,6 +80,7 @@ class Plan:
     predicted_seconds: float
     predicted_theta: float
     fallback: str
+    probe: bool = False  # drafted a few rows of the batch only (lagged K = 0 probe)
 
 
 class VerifyPlanner:
@@ -265,7 +266,9 @@ class VerifyPlanner:
             rr, cc = len(batch[0]), batch[2]
             tokens = rr + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
             predicted = self.capacity.predict(rr, rr + int(lens.sum()), cc, drafted=True)
-            return Plan(lens, int(lens.sum()), predicted, tokens / predicted, self._fallback)
+            return Plan(
+                lens, int(lens.sum()), predicted, tokens / predicted, self._fallback, probe=True
+            )
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
         theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from dspark_sglang.config import ArchConfig, CacheConfig, ConfigError, DraftConfig, ModelConfig
 from dspark_sglang.engine.batch import ForwardBatch
 from dspark_sglang.engine.kv_cache import allocate_kv, bytes_per_block, num_blocks_for
-from dspark_sglang.engine.speculative import DraftBatch, Proposal
+from dspark_sglang.engine.speculative import DraftBatch, Proposal, length_groups
 from dspark_sglang.models.attention import ForwardContext, forward_context
 from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
@@ -131,8 +131,39 @@ class ModelRunner:
         self, batch: DraftBatch, temperatures: torch.Tensor, gens: list[torch.Generator | None]
     ) -> Proposal:
         assert self.drafter is not None
+        g = self.drafter.cfg.block_size
+        lens = batch.anchor_pos.tolist()
+        groups = length_groups(lens, g)
+        if len(groups) == 1:
+            h = self._draft_block(batch.anchors, batch.anchor_pos, batch.ctx_slots, batch.ctx_mask)
+        else:  # rows of similar context length per pass: no row pads to the longest prompt
+            h = None
+            for rows in groups:
+                idx = torch.tensor(rows, device=batch.anchors.device)
+                width = max(lens[i] for i in rows)
+                hg = self._draft_block(
+                    batch.anchors[idx],
+                    batch.anchor_pos[idx],
+                    batch.ctx_slots[idx, :width],
+                    batch.ctx_mask[idx, :width],
+                )
+                if h is None:
+                    h = hg.new_empty((len(lens), *hg.shape[1:]))
+                h[idx] = hg
+            assert h is not None
+        tokens, q, conf = self.drafter.propose(h, batch.anchors, temperatures, gens)
+        return Proposal(batch.seq_ids, tokens, q, conf)
+
+    def _draft_block(
+        self,
+        anchors: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        assert self.drafter is not None
         # g scratch rows per request (slot 0, overwritten) for the block's own K/V
-        slots = F.pad(batch.ctx_slots, (0, self.drafter.cfg.block_size))
+        slots = F.pad(ctx_slots, (0, self.drafter.cfg.block_size))
         flat, shape = slots.reshape(-1), slots.shape
         ctx = [
             (
@@ -141,11 +172,7 @@ class ModelRunner:
             )
             for k, v in self.draft_kv
         ]
-        h = self.drafter.forward_block(
-            batch.anchors, batch.anchor_pos, ctx, batch.ctx_mask, block_room=True
-        )
-        tokens, q, conf = self.drafter.propose(h, batch.anchors, temperatures, gens)
-        return Proposal(batch.seq_ids, tokens, q, conf)
+        return self.drafter.forward_block(anchors, anchor_pos, ctx, ctx_mask, block_room=True)
 
 
 def _draft_geometry(d: object) -> ArchConfig:

@@ -38,6 +38,40 @@ class Proposal:
         return {sid: i for i, sid in enumerate(self.seq_ids)}
 
 
+# A drafter pass per group costs about this many padded context slots of gather and attention
+# (CPU: ~1.5 ms a call against ~2 us a slot at 30 rows); splitting pays beyond it.
+GROUP_CALL_SLOTS = 768
+
+
+def length_groups(lens: list[int], room: int, call_slots: int | None = None) -> list[list[int]]:
+    """Rows of a draft batch split into passes of similar context length. One padded pass gathers
+    and attends R x (max context + room) slots: one long prompt among short ones tripled that at
+    30 rows (drafter 32 -> 52 ms). Rows sorted by length, cut where the slots saved exceed
+    `call_slots` per extra pass (an exact partition DP over the sorted order); row indices per
+    pass, longest pass first."""
+    n = len(lens)
+    if n <= 1:
+        return [list(range(n))]
+    call = GROUP_CALL_SLOTS if call_slots is None else call_slots
+    order = sorted(range(n), key=lambda i: lens[i])
+    srt = [lens[i] for i in order]
+    best = [0] * (n + 1)  # best[j]: cost of rows order[:j]; a pass over order[i:j] costs
+    cut = [0] * (n + 1)  # (j - i) * (srt[j - 1] + room) + call_slots
+    for j in range(1, n + 1):
+        width = srt[j - 1] + room
+        c_best, i_best = best[0] + j * width, 0
+        for i in range(1, j):
+            c = best[i] + (j - i) * width
+            if c < c_best:
+                c_best, i_best = c, i
+        best[j], cut[j] = c_best + call, i_best
+    groups, j = [], n
+    while j > 0:
+        groups.append([order[k] for k in range(cut[j], j)])
+        j = cut[j]
+    return groups
+
+
 def build_draft_batch(seqs: list[Sequence], page_size: int, device: str) -> DraftBatch:
     lens = [s.num_tokens - 1 for s in seqs]  # context = every position before the anchor
     lmax = max(lens)

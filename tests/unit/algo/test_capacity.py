@@ -551,6 +551,51 @@ def test_the_draft_level_learned_at_some_r_carries_to_an_r_not_drafted_yet() -> 
     assert float(exact.model.draft_seconds(32)) == pytest.approx(extra(32), rel=0.02)
 
 
+def test_probe_steps_do_not_price_drafting() -> None:
+    """A lagged probe drafts 4 rows of a 32-row step and flushes every row's draft-context
+    backlog. Counted as a 32-row drafting step it pulled the R = 32 price toward a probe's (a CPU
+    engine then drafted every row at two thirds of the real price); flagged, it teaches nothing
+    about drafting, and R = 32 keeps what full drafting steps measured."""
+    rng = np.random.default_rng(8)
+
+    def extra(r: int) -> float:
+        return 0.002 + 0.001 * r
+
+    knots = (1.0, 4.0, 32.0)
+    prior = replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) for r in knots)))
+    recs = []
+    for t in range(400):
+        full = t % 4 == 0  # every 4th step drafts all 32 rows, the others probe 4 of them
+        b, c = 32 + (96 if full else 12), 32 * 800
+        fwd = TRUTH.predict(32, b, c) * np.exp(rng.normal(0.0, 0.03))
+        cost = extra(32) if full else extra(4) + 0.010  # a probe: 4 rows + the backlog
+        y = fwd + cost * np.exp(rng.normal(0.0, 0.03))
+        recs.append(
+            StepRecord(
+                t,
+                32,
+                b,
+                0,
+                32,
+                c,
+                float(y),
+                draft_seconds=0.001,
+                forward_seconds=fwd,
+                num_draft_reqs=32 if full else 4,
+                probe=not full,
+            )
+        )
+    est = LiveEstimator(prior)
+    for rec in recs:
+        est.observe(rec)
+    assert float(est.model.draft_seconds(32)) == pytest.approx(extra(32), rel=0.05)
+    assert model_error(est.model) < 0.04
+    blind = LiveEstimator(prior)  # probes taken for 32-row drafting steps
+    for rec in recs:
+        blind.observe(replace(rec, num_draft_reqs=32, probe=False))
+    assert float(blind.model.draft_seconds(32)) < 0.75 * extra(32)
+
+
 def test_host_term_round_trips_and_enters_every_price() -> None:
     m = replace(additive(), host=Curve((1.0, 64.0), (0.001, 0.003)))
     assert CapacityModel.from_dict(m.to_dict()) == m

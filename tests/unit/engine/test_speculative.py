@@ -299,6 +299,7 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
     """With more requests than PROBE_ROWS, a probe drafts (and verifies) PROBE_ROWS of them,
     a different few each time, and the rest decode plainly in the same step."""
     from dspark_sglang.engine.planner import PROBE_ROWS
+    from dspark_sglang.types import StepRecord
 
     ps = prompts(3 * PROBE_ROWS, seed=4)
     long = SamplingParams(temperature=0.0, max_tokens=40)  # probes at steps 8 and 24
@@ -312,9 +313,17 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
         return inner(batch, temps, gens)
 
     spec.runner.draft = spy  # type: ignore[method-assign]
+    recs: list[StepRecord] = []
+    spec.on_step = recs.append
     outs = spec.generate(ps, long)
     assert [o.output_ids for o in outs] == [o.output_ids for o in base]
     assert drafted and all(len(d) <= PROBE_ROWS for d in drafted)
+    # each record names the rows its drafter ran on (the capacity model prices them, not R)
+    probes = [r for r in recs if r.draft_seconds > 0.0]
+    assert [r.num_draft_reqs for r in probes] == [len(d) for d in drafted]
+    assert any(r.num_draft_reqs < r.num_decode_reqs for r in probes)
+    assert all(r.num_draft_reqs == 0 for r in recs if r.draft_seconds == 0.0)
+    assert all(r.probe == (0 < r.num_draft_reqs < r.num_decode_reqs) for r in recs)
     assert len({sid for d in drafted for sid in d}) > PROBE_ROWS  # the probes rotate
     assert spec.stats.verified > 0
     spec.close()
@@ -538,3 +547,71 @@ def test_handoff_with_a_bad_rng_state_is_refused_before_it_takes_kv(
     assert decode.pool.num_free_blocks == decode.pool.num_blocks
     assert not decode.has_unfinished()
     assert decode.try_adopt(handoff) is not None  # the good one still goes through
+
+
+def test_length_groups_is_the_cheapest_partition_of_the_sorted_rows() -> None:
+    """Every row in exactly one pass; the passes' padded slots + per-pass cost equal the best
+    split of the length-sorted rows (brute force over all cut sets); equal lengths stay one pass
+    and one long prompt among short ones gets its own."""
+    from itertools import combinations
+
+    from dspark_sglang.engine.speculative import length_groups
+
+    def cost(groups: list[list[int]], lens: list[int], room: int, call: int) -> int:
+        return sum(len(g) * (max(lens[i] for i in g) + room) + call for g in groups)
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        lens = rng.integers(1, 600, n).tolist()
+        room, call = int(rng.integers(0, 8)), int(rng.integers(0, 1500))
+        groups = length_groups(lens, room, call)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        srt = sorted(lens)
+        best = min(
+            sum(
+                (b - a) * (srt[b - 1] + room) + call
+                for a, b in zip((0, *cuts), (*cuts, n), strict=True)
+            )
+            for k in range(n)
+            for cuts in combinations(range(1, n), k)
+        )
+        assert cost(groups, lens, room, call) == best
+    assert length_groups([200] * 30, 7) == [list(range(30))]
+    split = length_groups([100] * 29 + [1000], 7)
+    assert sorted(map(sorted, split)) == [list(range(29)), [29]]
+
+
+def test_grouped_drafting_proposes_what_one_padded_pass_does(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short and long prompts in one batch: the drafter run in passes of similar length makes
+    the same drafts and confidences as one pass padded to the longest context, step by step."""
+    import dspark_sglang.engine.speculative as spec_mod
+
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 4, 60, 5, 90, 6)]
+    runs = []
+    for call_slots in (0, 10**9):  # a pass per length class / always one pass
+        monkeypatch.setattr(spec_mod, "GROUP_CALL_SLOTS", call_slots)
+        llm = LLM(str(pair[0]), draft_model=str(pair[1]), num_blocks=256, page_size=4)
+        seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        inner = llm.runner.draft
+
+        def spy(batch, temps, gens, inner=inner, seen=seen):  # type: ignore[no-untyped-def]
+            out = inner(batch, temps, gens)
+            passes = len(spec_mod.length_groups(batch.anchor_pos.tolist(), 5))
+            seen.append((out.tokens.clone(), out.conf_logits, passes))
+            return out
+
+        llm.runner.draft = spy  # type: ignore[method-assign]
+        outs = llm.generate(ps, GREEDY)
+        runs.append(([o.output_ids for o in outs], seen))
+        llm.close()
+    (ids_a, seen_a), (ids_b, seen_b) = runs
+    assert ids_a == ids_b and len(seen_a) == len(seen_b) > 0
+    assert any(p > 1 for _, _, p in seen_a) and all(p == 1 for _, _, p in seen_b)
+    for (ta, ca, _), (tb, cb, _) in zip(seen_a, seen_b, strict=True):
+        assert torch.equal(ta, tb)
+        if ca is not None:
+            torch.testing.assert_close(ca, cb, atol=1e-5, rtol=1e-4)
