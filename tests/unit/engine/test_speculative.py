@@ -615,3 +615,30 @@ def test_grouped_drafting_proposes_what_one_padded_pass_does(
         assert torch.equal(ta, tb)
         if ca is not None:
             torch.testing.assert_close(ca, cb, atol=1e-5, rtol=1e-4)
+
+
+def test_draft_batch_slots_are_the_block_tables_positions() -> None:
+    """The page-wise slot table equals kv_cache.slots position by position, padding 0, for
+    random block tables, page sizes and context lengths (block tables longer than the context
+    included)."""
+    from types import SimpleNamespace
+
+    from dspark_sglang.engine.kv_cache import slots
+    from dspark_sglang.engine.speculative import build_draft_batch
+
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        ps = int(rng.choice([1, 4, 16]))
+        seqs = []
+        for i in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(2, 70))
+            pages = -(-n // ps) + int(rng.integers(0, 3))
+            table = rng.permutation(200)[:pages].tolist()
+            seqs.append(SimpleNamespace(num_tokens=n, block_table=table, output_ids=[i], seq_id=i))
+        b = build_draft_batch(seqs, ps, "cpu")  # type: ignore[arg-type]
+        lmax = max(s.num_tokens - 1 for s in seqs)
+        for r, s in enumerate(seqs):
+            n = s.num_tokens - 1
+            want = slots(s.block_table, 0, n, ps) + [0] * (lmax - n)
+            assert b.ctx_slots[r].tolist() == want
+            assert b.ctx_mask[r].tolist() == [True] * n + [False] * (lmax - n)
