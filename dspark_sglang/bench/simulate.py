@@ -439,7 +439,7 @@ def run_engine_closed_loop(
     issued, done = 0, 0
     arrivals: list[float] = []
     completions: list[float] = []
-    steps: list[tuple[float, float, int, int, int, float, int, float, int, float, int]] = []
+    steps: list[tuple[float, float, int, int, int, float, int, float, int, float, int, int]] = []
     t_start = time.perf_counter()
 
     def issue(now: float) -> None:
@@ -485,6 +485,7 @@ def run_engine_closed_loop(
                     prompt,
                     rec.draft_seconds if rec else 0.0,
                     rec.num_tokens if rec else 0,
+                    rec.num_draft_reqs if rec else 0,
                 )
             )
             for o in outs:
@@ -571,10 +572,16 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     # 1. What the profile does not hold, from calibration loads (not validated ones): how fast the
     # engine's forwards run against the profile's back-to-back ones, per batch size, and each
     # policy's host work per step.
-    cal: dict[str, list[np.ndarray]] = {"no-spec": [], "spec": []}
+    cal: dict[str, list[np.ndarray]] = {"no-spec": [], "spec": [], "drafter": []}
     drift_at: dict[float, float] = {}  # decode batch size -> engine forward / profile forward
+    # The drafter's cost vs the rows it drafts also from verify-all, which drafts every row at
+    # every load: lagged drafts whole batches at low load only, and its probes draft 4 rows, so
+    # its own steps leave the cost of 16-64 drafting rows to extrapolation.
+    cal_policies = ["no-spec", args.policy] + (
+        ["verify-all"] if args.policy != "verify-all" else []
+    )
     for c in args.calibrate_at:
-        for pol in ("no-spec", args.policy):
+        for pol in cal_policies:
             log(f"calibration run: {pol} c={c}")
             res = run_engine_closed_loop(
                 engine(pol, c),
@@ -587,7 +594,9 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
                 capacity,
             )
             steps = res["steps"]
-            cal["no-spec" if pol == "no-spec" else "spec"].append(steps)
+            cal[
+                "no-spec" if pol == "no-spec" else "spec" if pol == args.policy else "drafter"
+            ].append(steps)
             dec = steps[(steps[:, 8] == 0) & (steps[:, 7] > 0) & (steps[:, 3] > 0)]
             if pol == "no-spec" and len(dec):
                 drift_at[float(np.median(dec[:, 3]))] = float(np.median(dec[:, 5] / dec[:, 7]))
@@ -607,9 +616,12 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     sp = np.concatenate(cal["spec"])
     plain = sp[(sp[:, 9] == 0) & (sp[:, 3] > 0)]
     spec_overhead = fit_linear(plain[:, 3], plain[:, 1] - plain[:, 5]) if len(plain) else overhead
-    spec_rows = sp[sp[:, 9] > 0]  # steps the drafter ran on (lagged skips it at K = 0)
+    # Steps the drafter ran on (lagged skips it at K = 0), priced by the rows it drafted (a
+    # probe's few): x = the step's decode rows made 4-row probes at c = 64 pull the slope down.
+    dr = np.concatenate([sp, *cal["drafter"]])
+    spec_rows = dr[dr[:, 9] > 0]
     draft = fit_linear(
-        spec_rows[:, 6],
+        spec_rows[:, 11],
         spec_rows[:, 1] - spec_rows[:, 5] - np.array([spec_overhead(r) for r in spec_rows[:, 3]]),
     )
     # Prompt tokens: the profile grid holds decode/verify shapes only, and a prompt token costs
