@@ -234,10 +234,6 @@ class LiveEstimator:
         """Feed one step; returns the new model when this record publishes one, else None."""
         cfg = self.cfg
         if rec.num_prefill_tokens and not cfg.include_prefill:
-            # The forward's prompt share is not priced, the drafter's time is: under steady
-            # arrivals a whole-batch cost probe often carries a prompt chunk, and dropping it
-            # made every later probe repeat it (lagged at c = 64 in a server: 0.80 of no-spec).
-            self._observe_prefill_step_draft(rec)
             return None
         y = rec.step_seconds
         if rec.num_tokens < 1 or not (y > 0.0 and math.isfinite(y)):
@@ -319,18 +315,6 @@ class LiveEstimator:
             self.num_rejected += 1
         self._since += 1
         return self._publish() if self._since >= cfg.publish_every else None
-
-    def _observe_prefill_step_draft(self, rec: StepRecord) -> None:
-        y, fwd = rec.step_seconds, rec.forward_seconds
-        if rec.probe or not (rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds)):
-            return
-        if not (y > 0.0 and math.isfinite(y)):
-            return
-        draft_r = rec.num_draft_reqs if rec.num_draft_reqs > 0 else rec.num_reqs
-        if 0.0 < fwd <= y and math.isfinite(fwd):
-            self._observe_draft(draft_r, max(y - fwd - self._host_at(rec.num_reqs), 0.0))
-        else:
-            self._observe_draft(draft_r, rec.draft_seconds)
 
     def drafted_near(self, num_reqs: int, span: float) -> bool:
         """Whether a drafting step (not a probe) of between num_reqs / span and num_reqs · span

@@ -174,10 +174,3 @@ def test_a_probe_drafts_the_whole_batch_until_drafting_near_its_size_was_timed()
     assert len(p.probe_rows(64)) == 64 and len(p.probe_rows(16)) == 16  # too far from 32
     off = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
     assert len(off.probe_rows(32)) == PROBE_ROWS  # no live estimator: nothing to measure
-    # a cost probe that carried a prompt chunk still times the drafter (under steady arrivals
-    # most do; dropped, every later probe repeated the whole-batch step)
-    q = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False)
-    assert q.estimator is not None
-    q.estimator.observe(replace(full, num_prefill_tokens=40, num_tokens=136))
-    assert len(q.probe_rows(32)) == PROBE_ROWS
-    assert q.estimator.num_observed == 0  # the forward's prompt share still prices nothing
