@@ -316,11 +316,6 @@ class LiveEstimator:
         self._since += 1
         return self._publish() if self._since >= cfg.publish_every else None
 
-    def drafted_near(self, num_reqs: int, span: float) -> bool:
-        """Whether a drafting step (not a probe) of between num_reqs / span and num_reqs · span
-        requests was timed: the draft term there is measured, not extrapolated."""
-        return any(num_reqs / span <= r <= num_reqs * span for r in self._draft)
-
     def _observe_draft(self, num_reqs: int, seconds: float, probe: bool = False) -> None:
         if probe:  # a few rows plus every row's draft-context backlog: no step's price
             return

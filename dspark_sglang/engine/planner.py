@@ -57,13 +57,6 @@ STALE_DECAY, STALE_FLOOR = 0.8, 0.05
 # again. A drop from c = 64, where drafting does not pay and the gap grew to PROBE_MAX, to c = 4
 # otherwise waited up to 256 steps (eight 128-token requests at c = 4) to learn that it pays now.
 LOAD_SHIFT = 2
-# A probe drafts the whole batch once while no drafting step of a batch within COST_PROBE_SPAN
-# times this size was timed: the drafter's price at a new R is otherwise the start-up profile's
-# shape times a level learned at other R (4-row probes price no step), and that shape (the
-# drafter alone, sampled, at 256 tokens of context) misses live drafting by up to 1.5x at 16-32
-# rows, enough to hold K at 0 where drafting paid or draft where it did not. One whole-batch
-# step per load is the price of measuring it.
-COST_PROBE_SPAN = 1.5
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -170,12 +163,8 @@ class VerifyPlanner:
 
     def probe_rows(self, num_rows: int) -> np.ndarray:
         """Indices of the rows a probe drafts: PROBE_ROWS of them, rotating through the batch so
-        successive probes see different requests; all rows when there are no more, or when no
-        drafting step near this batch size was timed yet (COST_PROBE_SPAN)."""
-        est = self.estimator
-        if num_rows <= PROBE_ROWS or (
-            est is not None and not est.drafted_near(num_rows, COST_PROBE_SPAN)
-        ):
+        successive probes see different requests (all rows when there are no more)."""
+        if num_rows <= PROBE_ROWS:
             return np.arange(num_rows)
         start = self._probe_next % num_rows
         self._probe_next = start + PROBE_ROWS

@@ -146,31 +146,3 @@ def test_a_load_shift_brings_the_probe_gap_back_to_its_minimum() -> None:
     for _ in range(8):
         p.plan(small[:4], np.zeros((4, 4)), np.full(4, 4), 10, 0, batch=(small, np.full(15, 4), 10))
     assert p._probe_every == PROBE_MAX
-
-
-def test_a_probe_drafts_the_whole_batch_until_drafting_near_its_size_was_timed() -> None:
-    """With a live estimator, a probe at a batch size no drafting step near it (within
-    COST_PROBE_SPAN) has priced drafts every row: its time measures the draft term there. After
-    one such step, and for sizes near a timed one, probes draft PROBE_ROWS rows again; 4-row
-    probes themselves time nothing."""
-    from dspark_sglang.algo.capacity import CapacityModel, TableModel
-    from dspark_sglang.algo.verify_budget import parse_schedule_mode
-    from dspark_sglang.engine.planner import PROBE_ROWS, VerifyPlanner
-    from dspark_sglang.types import StepRecord
-
-    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
-    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False)
-    assert p.estimator is not None
-    assert len(p.probe_rows(32)) == 32  # nothing timed yet
-    probe = StepRecord(1, 32, 36, 0, 32, 32 * 100, 0.03, draft_seconds=0.005,
-                       forward_seconds=0.02, num_draft_reqs=4, probe=True)  # fmt: skip
-    p.estimator.observe(probe)
-    assert len(p.probe_rows(32)) == 32  # a 4-row probe prices no 32-row step
-    full = StepRecord(2, 32, 96, 0, 32, 32 * 100, 0.06, draft_seconds=0.02,
-                      forward_seconds=0.03, num_draft_reqs=32)  # fmt: skip
-    p.estimator.observe(full)
-    assert len(p.probe_rows(32)) == PROBE_ROWS
-    assert len(p.probe_rows(24)) == PROBE_ROWS and len(p.probe_rows(44)) == PROBE_ROWS
-    assert len(p.probe_rows(64)) == 64 and len(p.probe_rows(16)) == 16  # too far from 32
-    off = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
-    assert len(off.probe_rows(32)) == PROBE_ROWS  # no live estimator: nothing to measure
