@@ -242,7 +242,8 @@ class LiveEstimator:
         self.num_observed += 1
         args = (rec.num_reqs, rec.num_tokens, rec.kv_tokens)
         drafted = rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds)
-        # the drafter's time is keyed by the rows it drafted (a probe's few, not the step's R)
+        # the drafter's time is keyed by the rows it drafted, which can be fewer than the step's R
+        # (rows capped at one token; a probe's few, which price no step and teach nothing below)
         draft_r = rec.num_draft_reqs if rec.num_draft_reqs > 0 else rec.num_reqs
         pred_y = self.model.predict(*args) + (
             float(self.model.draft_seconds(draft_r)) if drafted else 0.0
