@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--startup-profile-seconds", type=float, default=dc.startup_profile_seconds)
     a("--min-user-tps", type=float, default=dc.min_user_tps, help="per-request tokens/s floor")
     a(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="lagged mode: plan each step's K after the previous step, not during it",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -175,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             capacity_profile=args.capacity_profile,
             startup_profile_seconds=args.startup_profile_seconds,
             min_user_tps=args.min_user_tps,
+            overlap=not args.disable_overlap_schedule,
         ),
         seed=args.seed,
         parallel=parallel,

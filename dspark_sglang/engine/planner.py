@@ -19,6 +19,7 @@ from dspark_sglang.algo.capacity_fit import LiveEstimator
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
+    SurvivalCorrection,
     SurvivalHistory,
     sts_confidences,
     survival,
@@ -67,6 +68,13 @@ def ctx_bucket(ctx: int) -> int:
     return -(-int(ctx) // step) * step
 
 
+def _conditionals(surv: np.ndarray) -> np.ndarray:
+    """Survival rows -> the conditional acceptances whose running product they are (0 past a
+    survival of 0): how the corrected survival reaches policies that take confidences."""
+    prev = np.concatenate([np.ones((surv.shape[0], 1)), surv[:, :-1]], axis=1)
+    return np.divide(surv, prev, out=np.zeros_like(surv), where=prev > 0)
+
+
 def _done(k: int) -> Future[int]:
     f: Future[int] = Future()
     f.set_result(k)
@@ -112,6 +120,7 @@ class VerifyPlanner:
         self._probe_load = 0  # batch size when the probe gap was last PROBE_MIN
         # live recalibration of the confidences (capacity-driven modes only)
         self.correction = ConfidenceCorrection.identity(gamma)
+        self.surv_correction = SurvivalCorrection.identity(gamma)
         self._corrects = mode.name in ("sync", "lagged")
         self._raw_conf: dict[int, np.ndarray] = {}  # this step's raw confidence row per request
         # (request ids, raw confidences) of the last step that drafted; skipped steps re-push it
@@ -194,9 +203,8 @@ class VerifyPlanner:
                 self.history = self.history.repeat()
         else:  # the last drafts' confidences, under today's correction, aged
             last_ids, raw = self._last_raw
-            conf = self.correction.apply(raw) if self._corrects else raw
             base = self.prior.survival
-            self.history = self.history.push(last_ids, base + (survival(conf) - base) * weight)
+            self.history = self.history.push(last_ids, base + (self._survival(raw) - base) * weight)
             self._skip_src = None
         self._submit_next(np.asarray(ids), sps, max_len)
         self._count_fallback()
@@ -224,10 +232,9 @@ class VerifyPlanner:
             raw = sts_confidences(conf_logits, self.sts)
             self._raw_conf = dict(zip(ids, raw, strict=True))
             self._last_raw = (np.asarray(ids), raw)
-            conf = self.correction.apply(raw) if self._corrects else raw
+            surv = self._survival(raw)
         else:
-            conf = np.ones((r, self.gamma))
-        surv = survival(conf)
+            raw = surv = np.ones((r, self.gamma))
         sps = self._sps(r, ctx)
         if self.plans_before_drafting:
             if k is None:
@@ -251,6 +258,7 @@ class VerifyPlanner:
                     self._probe_every = PROBE_MIN
             self._since_draft = 0
         else:
+            conf = _conditionals(surv) if self._corrects else raw  # sync: the corrected survival
             lens = plan_verify_lengths(
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
             )
@@ -273,6 +281,13 @@ class VerifyPlanner:
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
         theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
         return Plan(lens, int(lens.sum()), predicted, theta, self._fallback)
+
+    def _survival(self, raw: np.ndarray) -> np.ndarray:
+        """Survival rows from raw confidences, under both live corrections (capacity-driven
+        modes; the others read the head as it is)."""
+        if not self._corrects:
+            return survival(raw)
+        return self.surv_correction.apply(survival(self.correction.apply(raw)))
 
     def _evidence(self) -> float:
         """Drafts verified at position 1 so far (probes and drafting steps alike)."""
@@ -361,7 +376,10 @@ class VerifyPlanner:
         if self._corrects and rows:
             assert ids is not None
             conf = np.stack([self._raw_conf[ids[i]] for i in rows])
-            self.correction = self.correction.observe(conf, verify_lens[rows], accepted[rows])
+            lens, acc = verify_lens[rows], accepted[rows]
+            first = survival(self.correction.apply(conf))  # what the second stage was fed
+            self.surv_correction = self.surv_correction.observe(first, lens, acc)
+            self.correction = self.correction.observe(conf, lens, acc)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
+    SurvivalCorrection,
     SurvivalHistory,
     mask_survival,
     max_verify_lengths,
@@ -205,6 +206,41 @@ def test_confidence_correction_learns_the_observed_acceptance() -> None:
     # positions 3 and 4 were never verified: they follow the global ratio
     assert abs(r[2] - 1.5) < 0.1 and abs(r[3] - r[2]) < 1e-12
     assert c.apply(np.array([[0.6, 0.6, 0.8, 0.99]])).max() <= 1.0
+
+
+def test_survival_correction_prices_the_deep_drafts_the_conditionals_miss() -> None:
+    # Half the requests accept each draft with p = 0.9, half with 0.3, and the head tells them
+    # apart too little (0.7 vs 0.5): corrected conditionals still under-price deep survival,
+    # because the requests that reach a deep position are mostly the easy ones.
+    gamma, n = 5, 16
+    rng = np.random.default_rng(1)
+    easy = np.arange(n) % 2 == 0
+    raw = np.where(easy[:, None], 0.7, 0.5) * np.ones((n, gamma))
+    p = np.where(easy, 0.9, 0.3)[:, None]
+    cc, sc = ConfidenceCorrection.identity(gamma), SurvivalCorrection.identity(gamma)
+    np.testing.assert_allclose(sc.apply(survival(raw)), survival(raw))
+    for _ in range(400):  # every draft verified, as in the planner's observe
+        hits = rng.random((n, gamma)) < p
+        acc = np.where(hits.all(axis=1), gamma, hits.argmin(axis=1))
+        lens = np.full(n, gamma)
+        sc = sc.observe(survival(cc.apply(raw)), lens, acc)
+        cc = cc.observe(raw, lens, acc)
+    k = np.arange(1, gamma + 1)
+    true = 0.5 * 0.9**k + 0.5 * 0.3**k
+    first = survival(cc.apply(raw))
+    both = sc.apply(first)
+    assert first.mean(axis=0)[-1] < 0.85 * true[-1]
+    np.testing.assert_allclose(both.mean(axis=0), true, rtol=0.1)
+    assert np.all(np.diff(both, axis=1) <= 0) and both.max() <= 1.0
+
+
+def test_survival_correction_counts_only_the_positions_a_row_verified() -> None:
+    sc = SurvivalCorrection.identity(3)
+    surv = np.array([[0.5, 0.25, 0.125]])
+    assert sc.observe(surv, np.array([0]), np.array([0])) is sc  # nothing verified
+    one = sc.observe(surv, np.array([1]), np.array([1]))
+    assert one.pred == (0.5, 0.0, 0.0) and one.obs == (1.0, 0.0, 0.0)
+    np.testing.assert_allclose(one.ratios[1:], 1.0)  # untried positions stay at σ = 1
 
 
 def test_repeat_pushes_the_newest_snapshot_again_without_copying() -> None:

@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dspark_sglang.engine.planner import ctx_bucket
+from dspark_sglang.algo.survival import survival
+from dspark_sglang.engine.planner import _conditionals, ctx_bucket
 
 
 @given(st.integers(0, 10**9), st.integers(0, 10**9))
@@ -146,3 +147,10 @@ def test_a_load_shift_brings_the_probe_gap_back_to_its_minimum() -> None:
     for _ in range(8):
         p.plan(small[:4], np.zeros((4, 4)), np.full(4, 4), 10, 0, batch=(small, np.full(15, 4), 10))
     assert p._probe_every == PROBE_MAX
+
+
+def test_corrected_survival_reaches_sync_as_the_conditionals_it_is_the_product_of() -> None:
+    s = np.array([[0.9, 0.45, 0.45, 0.0, 0.0], [1.0, 1.0, 0.5, 0.25, 0.1]])
+    c = _conditionals(s)
+    np.testing.assert_allclose(survival(c), s)
+    assert c[0, 3:].tolist() == [0.0, 0.0] and np.all((c >= 0) & (c <= 1))
