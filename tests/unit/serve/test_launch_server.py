@@ -60,6 +60,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.serve.prefill_addrs == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40002")
     assert cfg.serve.decode_addrs[-1] == "tcp://127.0.0.1:40005"
     assert cfg.cache.page_size == 8 and not cfg.draft.enabled
+    assert cfg.draft.overlap
+    off = build_parser().parse_args(["--model-path", str(model), "--disable-overlap-schedule"])
+    assert not config_from_args(off).draft.overlap
 
 
 def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
