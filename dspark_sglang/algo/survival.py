@@ -6,7 +6,7 @@ from the package, and never engine, models, torch.cuda or a clock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -128,6 +128,35 @@ class AcceptancePrior:
         )
 
 
+def _step_grid(
+    verify_lens: np.ndarray, accepted_lens: np.ndarray, gamma: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step's ℓ and accepted n as [n, 1] columns, and positions k = 1…γ as a [1, γ] row."""
+    lens = np.asarray(verify_lens, np.int64)[:, None]
+    acc = np.asarray(accepted_lens, np.int64)[:, None]
+    return lens, acc, np.arange(1, gamma + 1)[None, :]
+
+
+def _fold(
+    pred: tuple[float, ...],
+    obs: tuple[float, ...],
+    alpha: float,
+    predicted: np.ndarray,
+    trial: np.ndarray,
+    hit: np.ndarray,
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """Decayed per-position sums after one step's trials [n, γ] (None when it had none): each
+    position keeps (1 − α)^trials of its old sums, then adds the trials' predicted values and hits.
+    The trials are folded in one at a time, at their mean."""
+    n = trial.sum(axis=0)
+    if not n.any():
+        return None
+    keep = (1.0 - alpha) ** n
+    new_pred = np.asarray(pred) * keep + (predicted * trial).sum(axis=0)
+    new_obs = np.asarray(obs) * keep + (trial & hit).sum(axis=0)
+    return tuple(new_pred.tolist()), tuple(new_obs.tolist())
+
+
 @dataclass(frozen=True, slots=True)
 class ConfidenceCorrection:
     """Live recalibration of the confidence head from verified drafts: c'[k] = min(c[k]·ρ_k, 1).
@@ -163,19 +192,10 @@ class ConfidenceCorrection:
     ) -> ConfidenceCorrection:
         """After a step: raw confidences [n, γ] of the verified rows, their ℓ and accepted n."""
         c = np.asarray(confidences, np.float64)
-        lens = np.asarray(verify_lens, np.int64)[:, None]
-        acc = np.asarray(accepted_lens, np.int64)[:, None]
-        k = np.arange(1, c.shape[1] + 1)[None, :]
+        lens, acc, k = _step_grid(verify_lens, accepted_lens, c.shape[1])
         trial = (lens >= k) & (acc >= k - 1)  # [n, γ]
-        n = trial.sum(axis=0)
-        if not n.any():
-            return self
-        keep = (1.0 - self.alpha) ** n  # n trials folded in one at a time, at their mean
-        pred = np.asarray(self.pred) * keep + (c * trial).sum(axis=0)
-        obs = np.asarray(self.obs) * keep + (trial & (acc >= k)).sum(axis=0)
-        return ConfidenceCorrection(
-            tuple(pred.tolist()), tuple(obs.tolist()), self.alpha, self.weight
-        )
+        sums = _fold(self.pred, self.obs, self.alpha, c, trial, acc >= k)
+        return self if sums is None else replace(self, pred=sums[0], obs=sums[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,19 +236,10 @@ class SurvivalCorrection:
     ) -> SurvivalCorrection:
         """After a step: first-stage survival [n, γ] of the verified rows, their ℓ and n."""
         a = np.asarray(surv, np.float64)
-        lens = np.asarray(verify_lens, np.int64)[:, None]
-        acc = np.asarray(accepted_lens, np.int64)[:, None]
-        k = np.arange(1, a.shape[1] + 1)[None, :]
+        lens, acc, k = _step_grid(verify_lens, accepted_lens, a.shape[1])
         trial = lens >= k  # [n, γ]: whether position k's survival was observed
-        n = trial.sum(axis=0)
-        if not n.any():
-            return self
-        keep = (1.0 - self.alpha) ** n
-        pred = np.asarray(self.pred) * keep + (a * trial).sum(axis=0)
-        obs = np.asarray(self.obs) * keep + (trial & (acc >= k)).sum(axis=0)
-        return SurvivalCorrection(
-            tuple(pred.tolist()), tuple(obs.tolist()), self.alpha, self.weight
-        )
+        sums = _fold(self.pred, self.obs, self.alpha, a, trial, acc >= k)
+        return self if sums is None else replace(self, pred=sums[0], obs=sums[1])
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # holds arrays: compare by identity
