@@ -113,3 +113,6 @@ class StepRecord:
     # time (a few rows, plus the draft-context backlog of every row since the last drafting
     # step) prices no step the planner chooses between, so the draft term does not learn from it
     probe: bool = False
+    # the drafter's first run after steps without it (lagged K = 0): its time carries the
+    # draft-context backlog of those steps and a cold drafter, not what drafting costs per step
+    draft_resumed: bool = False

@@ -260,13 +260,13 @@ class LiveEstimator:
             rest = y - fwd
             if drafted:
                 dsec = max(rest - self._host_at(rec.num_reqs), 0.0)
-                self._observe_draft(draft_r, dsec, rec.probe)
+                self._observe_draft(draft_r, dsec, rec.probe or rec.draft_resumed)
             else:
                 self._observe_host(rec.num_reqs, rest)
             y = fwd
         elif drafted:
             dsec = rec.draft_seconds
-            self._observe_draft(draft_r, dsec, rec.probe)
+            self._observe_draft(draft_r, dsec, rec.probe or rec.draft_resumed)
             y = max(y - dsec, 0.05 * y)  # the forward's share: what the form prices
         ex = executed_tokens(self._base.form.buckets, rec.num_tokens)
         i = min(int(np.searchsorted(self._grid, ex)), self._grid.size - 1)
@@ -278,7 +278,7 @@ class LiveEstimator:
         d = e - self._g - u
         self._resid.append(d)
         self._level.append(e - u)
-        self._draft_recent.append((draft_r, 0.0 if rec.probe else dsec))
+        self._draft_recent.append((draft_r, 0.0 if rec.probe or rec.draft_resumed else dsec))
         sigma = self._sigma()
         z = max(-cfg.reject_z, min(cfg.reject_z, d / sigma))
         for side, zz in enumerate((z, -z)):
@@ -317,8 +317,8 @@ class LiveEstimator:
         self._since += 1
         return self._publish() if self._since >= cfg.publish_every else None
 
-    def _observe_draft(self, num_reqs: int, seconds: float, probe: bool = False) -> None:
-        if probe:  # a few rows plus every row's draft-context backlog: no step's price
+    def _observe_draft(self, num_reqs: int, seconds: float, skip: bool = False) -> None:
+        if skip:  # a probe's few rows, or a resumed drafter: no step's price (StepRecord)
             return
         mean, n = self._draft.get(num_reqs, (seconds, 0.0))
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)

@@ -385,8 +385,8 @@ class LLMEngine:
                 return None, {}
             if k == 0:  # a probe: draft and verify a few rows only; the rest decode plainly
                 keep = self.planner.probe_rows(len(ready))
+                whole = (ids, max_len, ctx)  # a probe even when it drafts every row
                 if keep.size < len(ready):
-                    whole = (ids, max_len, ctx)
                     ready = [ready[i] for i in keep]
                     ids, max_len = [ids[i] for i in keep], max_len[keep]
                     ctx = sum(s.num_tokens for s in ready)
@@ -539,6 +539,7 @@ class LLMEngine:
             forward_seconds=self._forward_seconds,
             num_draft_reqs=self._draft_rows,
             probe=p is not None and p.probe,
+            draft_resumed=p is not None and p.resumed,
         )
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()

@@ -88,7 +88,8 @@ class Plan:
     predicted_seconds: float
     predicted_theta: float
     fallback: str
-    probe: bool = False  # drafted a few rows of the batch only (lagged K = 0 probe)
+    probe: bool = False  # a lagged K = 0 probe: drafted a few rows (all, in a small batch)
+    resumed: bool = False  # lagged: the drafter's first run after steps without it
 
 
 class VerifyPlanner:
@@ -236,6 +237,7 @@ class VerifyPlanner:
         else:
             raw = surv = np.ones((r, self.gamma))
         sps = self._sps(r, ctx)
+        resumed = self.plans_before_drafting and self._since_draft > 0
         if self.plans_before_drafting:
             if k is None:
                 k = self.budget(ids, max_len, ctx)
@@ -275,12 +277,18 @@ class VerifyPlanner:
             tokens = rr + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
             predicted = self.capacity.predict(rr, rr + int(lens.sum()), cc, drafted=True)
             return Plan(
-                lens, int(lens.sum()), predicted, tokens / predicted, self._fallback, probe=True
+                lens,
+                int(lens.sum()),
+                predicted,
+                tokens / predicted,
+                self._fallback,
+                probe=True,
+                resumed=resumed,
             )
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
         theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
-        return Plan(lens, int(lens.sum()), predicted, theta, self._fallback)
+        return Plan(lens, int(lens.sum()), predicted, theta, self._fallback, resumed=resumed)
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
         """Survival rows from raw confidences, under both live corrections (capacity-driven

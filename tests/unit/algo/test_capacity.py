@@ -596,6 +596,38 @@ def test_probe_steps_do_not_price_drafting() -> None:
     assert float(blind.model.draft_seconds(32)) < 0.75 * extra(32)
 
 
+def test_a_resumed_drafter_does_not_price_drafting() -> None:
+    """The first drafting step after lagged K = 0 steps projects those steps' draft-context
+    backlog and runs a cold drafter (CPU engine, c = 1: about twice a steady step's drafting
+    time). Learned as the drafting price, it kept K at 0 where steady drafting paid; flagged,
+    the price is what consecutive drafting steps cost."""
+    rng = np.random.default_rng(9)
+
+    def extra(r: int) -> float:
+        return 0.004 + 0.001 * r
+
+    knots = (1.0, 4.0, 32.0)
+    prior = replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) for r in knots)))
+    recs = []
+    for t in range(300):
+        resumed = t % 3 == 0  # every third drafting step follows plain steps
+        fwd = TRUTH.predict(1, 8, 800) * np.exp(rng.normal(0.0, 0.03))
+        cost = 2.0 * extra(1) if resumed else extra(1)
+        y = fwd + cost * np.exp(rng.normal(0.0, 0.03))
+        rec = StepRecord(
+            t, 1, 8, 0, 1, 800, float(y), draft_seconds=0.001, forward_seconds=fwd
+        )
+        recs.append(replace(rec, num_draft_reqs=1, draft_resumed=resumed))
+    est = LiveEstimator(prior)
+    for rec in recs:
+        est.observe(rec)
+    assert float(est.model.draft_seconds(1)) == pytest.approx(extra(1), rel=0.05)
+    blind = LiveEstimator(prior)
+    for rec in recs:
+        blind.observe(replace(rec, draft_resumed=False))
+    assert float(blind.model.draft_seconds(1)) > 1.2 * extra(1)
+
+
 def test_host_term_round_trips_and_enters_every_price() -> None:
     m = replace(additive(), host=Curve((1.0, 64.0), (0.001, 0.003)))
     assert CapacityModel.from_dict(m.to_dict()) == m
