@@ -614,9 +614,7 @@ def test_a_resumed_drafter_does_not_price_drafting() -> None:
         fwd = TRUTH.predict(1, 8, 800) * np.exp(rng.normal(0.0, 0.03))
         cost = 2.0 * extra(1) if resumed else extra(1)
         y = fwd + cost * np.exp(rng.normal(0.0, 0.03))
-        rec = StepRecord(
-            t, 1, 8, 0, 1, 800, float(y), draft_seconds=0.001, forward_seconds=fwd
-        )
+        rec = StepRecord(t, 1, 8, 0, 1, 800, float(y), draft_seconds=0.001, forward_seconds=fwd)
         recs.append(replace(rec, num_draft_reqs=1, draft_resumed=resumed))
     est = LiveEstimator(prior)
     for rec in recs:
