@@ -551,6 +551,26 @@ def test_the_draft_level_learned_at_some_r_carries_to_an_r_not_drafted_yet() -> 
     assert float(exact.model.draft_seconds(32)) == pytest.approx(extra(32), rel=0.02)
 
 
+def test_one_bucket_fed_prices_the_others_at_its_level() -> None:
+    """Lagged K = 0 at c = 1 feeds the estimator one bucket (B = 1) for thousands of steps on a
+    host whose speed wanders. Those records fix only the sum of the level and the bucket's
+    deviation; split freely, the level random-walked away and priced every other bucket (the
+    drafting steps the planner weighs against K = 0) at twice their time. The level follows
+    what B = 1 measured, and an unseen B is priced at it."""
+    rng = np.random.default_rng(11)
+    est = LiveEstimator(TRUTH)
+    level = 0.0
+    for t in range(4000):
+        if t % 500 == 0:  # the host's speed steps by up to ±25 %, as the 2-core CI host's did
+            level = float(rng.uniform(-0.25, 0.25))
+        y = TRUTH.predict(1, 1, 800) * np.exp(level + rng.normal(0.0, 0.03))
+        est.observe(StepRecord(t, 1, 1, 0, 1, 800, float(y)))
+    assert abs(est._g - level) < 0.03
+    assert np.all(np.abs(est._u[est._n > 0]) < 0.03)
+    for b in (4, 8, 32):
+        ratio = est.model.predict(1, b, 800) / TRUTH.predict(1, b, 800)
+        assert ratio == pytest.approx(np.exp(level), rel=0.06)
+
 def test_probe_steps_do_not_price_drafting() -> None:
     """A lagged probe drafts 4 rows of a 32-row step and flushes every row's draft-context
     backlog. Counted as a 32-row drafting step it pulled the R = 32 price toward a probe's (a CPU
