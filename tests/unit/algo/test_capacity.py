@@ -571,6 +571,7 @@ def test_one_bucket_fed_prices_the_others_at_its_level() -> None:
         ratio = est.model.predict(1, b, 800) / TRUTH.predict(1, b, 800)
         assert ratio == pytest.approx(np.exp(level), rel=0.06)
 
+
 def test_probe_steps_do_not_price_drafting() -> None:
     """A lagged probe drafts 4 rows of a 32-row step and flushes every row's draft-context
     backlog. Counted as a 32-row drafting step it pulled the R = 32 price toward a probe's (a CPU
