@@ -289,20 +289,18 @@ class LiveEstimator:
             # Restart the level from the records since the CUSUM last sat at zero: the drift began
             # there. A median of them ignores the odd spike that rode along.
             run = min(self._run[alarm[0]], len(self._level))
-            old_g, self._g = self._g, float(np.median(list(self._level)[-run:]))
-            # Whatever slowed the forward (a CPU hog, a throttled GPU) slows the drafter on the
-            # same device alike: move its times by the same factor, then let its EWMA refine.
-            # An R drafted since the drift began restarts at the median of those times.
-            shift = math.exp(self._g - old_g)
+            self._g = float(np.median(list(self._level)[-run:]))
+            # The draft and host terms are kept at the level (see _observe_draft), so they move
+            # with it; an R drafted since the drift began restarts at the median of those times.
             since: dict[int, list[float]] = {}
             for r, sec in list(self._draft_recent)[-run:]:
                 if sec > 0.0:
                     since.setdefault(r, []).append(sec)
+            unit = math.exp(-self._g)
             self._draft = {
-                r: (float(np.median(since[r])) if r in since else m * shift, n)
+                r: (float(np.median(since[r])) * unit if r in since else m, n)
                 for r, (m, n) in self._draft.items()
             }
-            self._host = {r: (m * shift, n) for r, (m, n) in self._host.items()}
             self._n_g = float(run)
             self._cusum, self._run = [0.0, 0.0], [0, 0]
             self.drift_events += 1
@@ -327,13 +325,21 @@ class LiveEstimator:
         return self._publish() if self._since >= cfg.publish_every else None
 
     def _observe_draft(self, num_reqs: int, seconds: float, skip: bool = False) -> None:
+        """Whatever slows the forward (a CPU hog, a throttled GPU) slows the drafter and the host
+        alike, so their EWMAs hold seconds at the forward's level g = 0 and are published times
+        exp(g). Moving them by g's jumps at drift alarms alone ratcheted: a jump up and a gradual
+        return (the level's EWMA) left the drafter 2x dear, and at c = 1, where nearly every
+        drafting step is a probe or a resumed drafter, no observation ever brought it back
+        (in-process, 2026-12-01: 32-48 ms for a drafter that took 7-15 ms)."""
         if skip:  # a probe's few rows, or a resumed drafter: no step's price (StepRecord)
             return
+        seconds *= math.exp(-self._g)
         mean, n = self._draft.get(num_reqs, (seconds, 0.0))
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)
 
     def _observe_host(self, num_reqs: int, seconds: float) -> None:
+        seconds *= math.exp(-self._g)  # at the level, as _observe_draft
         mean, n = self._host.get(num_reqs, (seconds, 0.0))
         if n >= 8:  # a collector pause or a preempted thread: one spike must not move the mean
             seconds = min(seconds, HOST_SPIKE * mean)
@@ -344,17 +350,25 @@ class LiveEstimator:
         """The host seconds of a plain step of R requests as learned so far (the prior's when no
         plain step was seen yet)."""
         if num_reqs in self._host:
-            return self._host[num_reqs][0]
+            return self._host[num_reqs][0] * math.exp(self._g)
         if self._host:
             ks = sorted(self._host)
-            return float(np.interp(num_reqs, ks, [self._host[k][0] for k in ks]))
+            at_level = np.interp(num_reqs, ks, [self._host[k][0] for k in ks])
+            return float(at_level) * math.exp(self._g)
         return float(self._base.host_seconds(num_reqs))
 
     def _draft_curve(self) -> Curve | None:
-        return self._ewma_curve(self._draft, self._base.draft)
+        return self._at_level(self._draft, self._ewma_curve(self._draft, self._base.draft))
 
     def _host_curve(self) -> Curve | None:
-        return self._ewma_curve(self._host, self._base.host)
+        return self._at_level(self._host, self._ewma_curve(self._host, self._base.host))
+
+    def _at_level(self, table: dict[int, tuple[float, float]], curve: Curve | None) -> Curve | None:
+        """A learned term in seconds at today's level (the prior's as it is, where none was)."""
+        if not table or curve is None:
+            return curve
+        f = math.exp(self._g)
+        return Curve(curve.knots, tuple(v * f for v in curve.values))
 
     def _ewma_curve(
         self, table: dict[int, tuple[float, float]], prior: Curve | None

@@ -647,6 +647,37 @@ def test_a_resumed_drafter_does_not_price_drafting() -> None:
     assert float(blind.model.draft_seconds(1)) > 1.2 * extra(1)
 
 
+def test_the_draft_term_follows_the_level_back_after_a_drift() -> None:
+    """The host slows 1.5x at once (a drift alarm), then recovers gradually (the level's EWMA
+    follows without an alarm), while every drafting step is a resumed drafter that prices
+    nothing. The draft term moves with the level both ways; moved only at alarms it stayed
+    1.5x dear."""
+    rng = np.random.default_rng(12)
+    est = LiveEstimator(TRUTH)
+    d = 0.004
+    for t in range(900):
+        slow = 1.0 if t < 200 else 1.5 if t < 300 else max(1.0, 1.5 - (t - 300) / 400)
+        drafted = t % 4 == 0
+        fwd = slow * TRUTH.predict(1, 8 if drafted else 1, 800) * np.exp(rng.normal(0.0, 0.02))
+        y = fwd + (slow * d if drafted else 0.0)
+        rec = StepRecord(
+            t,
+            1,
+            8 if drafted else 1,
+            0,
+            1,
+            800,
+            float(y),
+            draft_seconds=0.001 * drafted,
+            forward_seconds=float(fwd),
+        )
+        est.observe(replace(rec, num_draft_reqs=int(drafted), draft_resumed=drafted and t > 200))
+        if t == 190:
+            assert float(est.model.draft_seconds(1)) == pytest.approx(d, rel=0.05)
+    assert est.drift_events >= 1
+    assert float(est.model.draft_seconds(1)) == pytest.approx(d, rel=0.1)
+
+
 def test_host_term_round_trips_and_enters_every_price() -> None:
     m = replace(additive(), host=Curve((1.0, 64.0), (0.001, 0.003)))
     assert CapacityModel.from_dict(m.to_dict()) == m
