@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -572,6 +573,12 @@ def test_one_bucket_fed_prices_the_others_at_its_level() -> None:
         assert ratio == pytest.approx(np.exp(level), rel=0.06)
 
 
+def with_draft_curve(extra: Callable[[int], float]) -> CapacityModel:
+    """TRUTH with a drafter term extra(R) at R = 1, 4, 32."""
+    knots = (1.0, 4.0, 32.0)
+    return replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) for r in knots)))
+
+
 def test_probe_steps_do_not_price_drafting() -> None:
     """A lagged probe drafts 4 rows of a 32-row step and flushes every row's draft-context
     backlog. Counted as a 32-row drafting step it pulled the R = 32 price toward a probe's (a CPU
@@ -582,8 +589,7 @@ def test_probe_steps_do_not_price_drafting() -> None:
     def extra(r: int) -> float:
         return 0.002 + 0.001 * r
 
-    knots = (1.0, 4.0, 32.0)
-    prior = replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) for r in knots)))
+    prior = with_draft_curve(extra)
     recs = []
     for t in range(400):
         full = t % 4 == 0  # every 4th step drafts all 32 rows, the others probe 4 of them
@@ -627,8 +633,7 @@ def test_a_resumed_drafter_does_not_price_drafting() -> None:
     def extra(r: int) -> float:
         return 0.004 + 0.001 * r
 
-    knots = (1.0, 4.0, 32.0)
-    prior = replace(TRUTH, draft=Curve(knots, tuple(extra(int(r)) for r in knots)))
+    prior = with_draft_curve(extra)
     recs = []
     for t in range(300):
         resumed = t % 3 == 0  # every third drafting step follows plain steps
