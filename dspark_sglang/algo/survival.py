@@ -111,6 +111,8 @@ class AcceptancePrior:
         acc = np.asarray(accepted_lens, dtype=np.int64)
         if lens.shape != acc.shape or np.any(acc > lens) or np.any(acc < 0):
             raise ValueError("accepted_lens must be in [0, verify_lens] elementwise")
+        if not lens.any():  # nothing verified (a lagged K = 0 step): the same prior object,
+            return self  # so what is keyed on it (the planner's K memo) stays valid
         k = np.arange(1, self.gamma + 1)[:, None]  # [gamma, 1]
         trials = ((lens[None, :] >= k) & (acc[None, :] >= k - 1)).sum(axis=1)
         hits = (acc[None, :] >= k).sum(axis=1)

@@ -377,7 +377,7 @@ class VerifyPlanner:
     def observe_acceptance(
         self, verify_lens: np.ndarray, accepted: np.ndarray, ids: list[int] | None = None
     ) -> None:
-        if not verify_lens.size:
+        if not verify_lens.any():  # a K = 0 step verified nothing: nothing to learn
             return
         self.prior = self.prior.observe(verify_lens, accepted)
         rows = [i for i, sid in enumerate(ids or ()) if sid in self._raw_conf]

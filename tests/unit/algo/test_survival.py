@@ -90,6 +90,16 @@ def test_prior_observe_counts_conditional_trials() -> None:
         prior.rates = (1.0,) * 3  # type: ignore[misc]
 
 
+def test_prior_observe_of_a_step_that_verified_nothing_is_the_same_prior() -> None:
+    """A lagged K = 0 step verifies nothing: the prior comes back as the same object (the
+    planner's K memo is keyed on its identity), and bad input is still rejected."""
+    prior = AcceptancePrior.uniform(3).observe(np.array([3, 1]), np.array([2, 1]))
+    assert prior.observe(np.zeros(4, np.int64), np.zeros(4, np.int64)) is prior
+    assert prior.observe(np.zeros(0, np.int64), np.zeros(0, np.int64)) is prior
+    with pytest.raises(ValueError):
+        prior.observe(np.zeros(2, np.int64), np.array([0, 1]))
+
+
 def test_prior_leaves_untried_positions_and_converges() -> None:
     prior = AcceptancePrior.uniform(3, rate=0.5, alpha=0.002)  # memory of ~500 trials
     # Nobody verified past position 1: positions 2 and 3 keep their rates.

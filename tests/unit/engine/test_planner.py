@@ -117,6 +117,35 @@ def test_skipped_steps_age_the_last_drafts_toward_the_prior() -> None:
     assert p.history.snapshots[-1] is snap  # pushed once, then repeated (the K memo holds)
 
 
+def test_a_step_that_verified_nothing_keeps_the_k_memo() -> None:
+    """Observing a K = 0 step (every verify length 0) changes neither the prior nor the
+    corrections, so the next skipped step plans K from the memo, without a recomputation (one
+    per step on the worker before: 0.44 ms of GIL-holding numpy at c = 32)."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    ids, max_len = [7, 9], np.array([4, 4])
+    plan = p.plan(ids, np.zeros((2, 4)), max_len, 10, 0)  # a probe: both rows drafted
+    p.observe_acceptance(plan.lengths, np.array([2, 1]), ids)
+    for _ in range(20):  # past STALE_FLOOR: the prior snapshot, then repeats
+        p.skip(ids, max_len, 10)
+        p.observe_acceptance(np.zeros(2, np.int64), np.zeros(2, np.int64), ids)
+        p.budget(ids, max_len, 10)
+    state = (p.prior, p.correction, p.surv_correction)
+    calls = []
+    inner = p._k_from_history
+    p._k_from_history = lambda *a: calls.append(1) or inner(*a)  # type: ignore[method-assign]
+    for _ in range(5):
+        p.skip(ids, max_len, 10)
+        p.observe_acceptance(np.zeros(2, np.int64), np.zeros(2, np.int64), ids)
+        p.budget(ids, max_len, 10)
+    assert p.prior is state[0] and p.correction is state[1] and p.surv_correction is state[2]
+    assert not calls
+
+
 def test_a_load_shift_brings_the_probe_gap_back_to_its_minimum() -> None:
     """The gap backed off at one load is reset once the batch is LOAD_SHIFT times larger or
     smaller than when it was last at PROBE_MIN; the load moving less keeps it."""
