@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import math
@@ -184,6 +185,9 @@ class Outcome:
     spec_rounds: int = 0
     spec_accepted: int = 0
     text: str = ""
+    # (seconds since the benchmark start, output tokens so far) per content chunk, from the
+    # server's continuous usage; empty when it sends none
+    token_times: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def tpot(self) -> float | None:
@@ -212,6 +216,8 @@ def request_body(
         body["ignore_eos"] = True
     if stream:
         body["stream_options"] = {"include_usage": True}
+        if not args.no_continuous_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
     if chat:
         text = p.prompt if isinstance(p.prompt, str) else " ".join(map(str, p.prompt))
         body["messages"] = [{"role": "user", "content": text}]
@@ -283,6 +289,9 @@ async def send_request(
                             out.itl.append(now - last)
                         last = now
                         out.text += _content(c, chat)
+                usage = obj.get("usage")
+                if usage and obj.get("choices"):  # continuous usage: tokens so far
+                    out.token_times.append((now - t_bench, int(usage.get("completion_tokens", 0))))
                 _take_extras(out, obj)
         out.latency = time.perf_counter() - t0
         if last is None:  # nothing but an empty completion
@@ -430,11 +439,51 @@ def _stats(name: str, values: Sequence[float], scale: float = 1000.0) -> dict[st
     return out
 
 
+def steady_window(outcomes: Sequence[Outcome], concurrency: int) -> tuple[float, float] | None:
+    """Closed loop at `concurrency`: from the completion that ends the first wave (the
+    concurrency-th) to the last request's send, exactly `concurrency` requests are in flight.
+    Before it the first wave starts in lock-step (its prefills together), after it the last
+    requests drain at a shrinking batch; None when the run has no such interval."""
+    ok = [o for o in outcomes if o.success]
+    if concurrency < 1 or len(ok) < concurrency:
+        return None
+    t0 = sorted(o.start + o.latency for o in ok)[concurrency - 1]
+    t1 = max(o.start for o in outcomes)
+    return (t0, t1) if t1 > t0 else None
+
+
+def _tokens_by(o: Outcome, t: float) -> int:
+    """Output tokens request `o` had received by `t` (benchmark seconds)."""
+    i = bisect.bisect_right([x for x, _ in o.token_times], t)
+    return o.token_times[i - 1][1] if i else 0
+
+
+def steady_throughput(outcomes: Sequence[Outcome], concurrency: int) -> dict[str, Any]:
+    """Output tok/s inside the steady window, counted from the servers' continuous usage
+    (per token, not per chunk: a speculative step streams several tokens at once). Both keys
+    None without a window or without continuous usage on every request."""
+    none = {"steady_output_throughput": None, "steady_window_s": None}
+    win = steady_window(outcomes, concurrency)
+    ok = [o for o in outcomes if o.success]
+    if win is None or not all(o.token_times for o in ok):
+        return none
+    t0, t1 = win
+    n = sum(_tokens_by(o, t1) - _tokens_by(o, t0) for o in ok)
+    if n == 0:  # a window shorter than a step: nothing to measure
+        return none
+    return {"steady_output_throughput": n / (t1 - t0), "steady_window_s": t1 - t0}
+
+
 def compute_metrics(
-    outcomes: Sequence[Outcome], duration: float, slo: dict[str, float] | None = None
+    outcomes: Sequence[Outcome],
+    duration: float,
+    slo: dict[str, float] | None = None,
+    closed_loop: int | None = None,
 ) -> dict[str, Any]:
     """Aggregate metrics over the measured (non-warm-up) requests; failures count only in
-    `completed`/`failed`. Keys follow sglang.bench_serving (vllm spellings added for E2E)."""
+    `completed`/`failed`. Keys follow sglang.bench_serving (vllm spellings added for E2E).
+    `closed_loop` = the max concurrency of a closed-loop run (every request sent at once, the
+    semaphore pacing them): adds the steady-window throughput."""
     ok = [o for o in outcomes if o.success]
     n_in = sum(o.prompt_len for o in ok)
     n_out = sum(o.output_len for o in ok)
@@ -465,6 +514,8 @@ def compute_metrics(
     rounds = sum(o.spec_rounds for o in ok)
     committed = sum(max(o.output_len - 1, 0) for o in ok if o.spec_rounds)
     res["accept_length"] = committed / rounds if rounds else 1.0
+    if closed_loop:
+        res |= steady_throughput(outcomes, closed_loop)
     if slo:
         good = [o for o in ok if meets_slo(o, slo)]
         res["slo"] = {k: v * 1000.0 for k, v in slo.items()}
@@ -584,7 +635,12 @@ async def benchmark(
         server = await monitor.stop() if not args.no_server_metrics else server_summary(None, [])
         if bar is not None:
             bar.close()
-    res = compute_metrics(outcomes, duration, parse_slo(args.slo))
+    closed = (
+        args.max_concurrency
+        if not math.isfinite(args.request_rate) and not args.use_trace_timestamps
+        else None
+    )
+    res = compute_metrics(outcomes, duration, parse_slo(args.slo), closed)
     res |= server
     record = _header(args, model) | res
     if args.output_details:
@@ -643,6 +699,12 @@ def format_summary(r: dict[str, Any]) -> str:
         ("Total generated tokens", r["total_output_tokens"]),
         ("Request throughput (req/s)", f"{r['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{r['output_throughput']:.2f}"),
+        (
+            "Steady-window output tok/s (window s)",
+            "-"
+            if r.get("steady_output_throughput") is None
+            else f"{r['steady_output_throughput']:.2f} ({r['steady_window_s']:.1f})",
+        ),
         ("Total token throughput (tok/s)", f"{r['total_throughput']:.2f}"),
         (
             "Per-user tok/s (mean / median)",
@@ -773,6 +835,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--disable-stream", action="store_true")
+    ap.add_argument(
+        "--no-continuous-usage",
+        action="store_true",
+        help="do not ask for stream_options.continuous_usage_stats (for servers that reject "
+        "it); the steady-window throughput then reads -",
+    )
     ap.add_argument("--extra-request-body", type=json.loads, default=None, metavar="JSON")
     ap.add_argument(
         "--slo",

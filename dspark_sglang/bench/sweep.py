@@ -129,20 +129,63 @@ def _is_rival(policy: str) -> bool:
     return policy == "no-spec" or policy in FIXED or policy.startswith("fixed:")
 
 
-def paired_ratios(raw: Sequence[dict[str, Any]]) -> dict[int, list[float]]:
+def paired_ratios(
+    raw: Sequence[dict[str, Any]], key: str = "output_throughput"
+) -> dict[int, list[float]]:
     """Per c, lagged / best rival within each pass: rivals measured seconds apart (interleaved),
     so the host's slow drift between passes cancels in each ratio; their spread says how far
     the ratio of medians can be trusted."""
     by: dict[tuple[int, int], dict[str, float]] = {}
     for r in raw:
-        by.setdefault((r["concurrency"], r.get("pass", 0)), {})[r["policy"]] = r[
-            "output_throughput"
-        ]
+        if r.get(key) is not None:
+            by.setdefault((r["concurrency"], r.get("pass", 0)), {})[r["policy"]] = r[key]
     out: dict[int, list[float]] = {}
     for (c, _), tps in sorted(by.items()):
         rivals = [v for p, v in tps.items() if _is_rival(p) and v > 0]
         if "lagged" in tps and rivals:
             out.setdefault(c, []).append(tps["lagged"] / max(rivals))
+    return out
+
+
+def goal_rows(
+    rows: list[dict[str, Any]],
+    policies: Sequence[str],
+    raw: Sequence[dict[str, Any]] = (),
+    key: str = "output_throughput",
+) -> list[dict[str, Any]]:
+    """Per c: lagged against the best of no-spec and the fixed policies on `key` (the
+    whole-run throughput, or the steady window's), with the per-pass paired ratios."""
+    by = {(r["policy"], r["concurrency"]): r for r in rows}
+    paired = paired_ratios(raw, key)
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        lag = by.get(("lagged", c))
+        rivals = [
+            by[(p, c)]
+            for p in policies
+            if (p, c) in by and _is_rival(p) and (by[(p, c)].get(key) or 0.0) > 0.0
+        ]
+        if lag is None or lag.get(key) is None or not rivals:
+            continue
+        best = max(rivals, key=lambda r: r[key])
+        ratio = lag[key] / best[key]
+        x = {
+            "concurrency": c,
+            "lagged": lag[key],
+            "best_rival": best["policy"],
+            "best_rival_throughput": best[key],
+            "ratio": ratio,
+            "pass": ratio >= 0.97,
+            "lagged_budget": lag.get("verify_tokens_per_request"),
+        }
+        if c in paired:
+            pr = paired[c]
+            x |= {
+                "paired_ratios": pr,
+                "paired_median": float(statistics.median(pr)),
+                "paired_passes_ge_0.97": sum(v >= 0.97 for v in pr),
+            }
+        out.append(x)
     return out
 
 
@@ -154,42 +197,20 @@ def analyse(
 ) -> dict:
     """Goal ratios of issue 9 from one sweep's rows (and, given the raw per-pass records, the
     per-pass paired ratios beside the ratio of medians)."""
-    by = {(r["policy"], r["concurrency"]): r for r in rows}
-    paired = paired_ratios(raw)
-    concs = sorted({r["concurrency"] for r in rows})
     pts = {
         p: [(r["mean_tps_per_user"], r["output_throughput"]) for r in rows if r["policy"] == p]
         for p in policies
     }
     fronts = {p: frontier(v) for p, v in pts.items() if v}
-    out: dict[str, Any] = {"per_concurrency": []}
-    for c in concs:
-        lag = by.get(("lagged", c))
-        rivals = [by[(p, c)] for p in policies if (p, c) in by and _is_rival(p)]
-        if lag is None or not rivals:
-            continue
-        best = max(rivals, key=lambda r: r["output_throughput"])
-        ratio = lag["output_throughput"] / best["output_throughput"]
-        out["per_concurrency"].append(
-            {
-                "concurrency": c,
-                "lagged": lag["output_throughput"],
-                "best_rival": best["policy"],
-                "best_rival_throughput": best["output_throughput"],
-                "ratio": ratio,
-                "pass": ratio >= 0.97,
-                "lagged_budget": lag.get("verify_tokens_per_request"),
-            }
-        )
-        if c in paired:
-            pr = paired[c]
-            out["per_concurrency"][-1] |= {
-                "paired_ratios": pr,
-                "paired_median": float(statistics.median(pr)),
-                "paired_passes_ge_0.97": sum(x >= 0.97 for x in pr),
-            }
+    out: dict[str, Any] = {"per_concurrency": goal_rows(rows, policies, raw)}
     if out["per_concurrency"]:
         out["lagged_ge_best_minus_3pct_every_c"] = all(x["pass"] for x in out["per_concurrency"])
+    # The same goal on the steady window (bench/serving.py steady_window): throughput while
+    # exactly c requests were in flight, without the lock-step first wave and the drain.
+    steady = goal_rows(rows, policies, raw, "steady_output_throughput")
+    if steady:
+        out["steady_per_concurrency"] = steady
+        out["steady_lagged_ge_best_minus_3pct_every_c"] = all(x["pass"] for x in steady)
     if "no-spec" in fronts:
         for p in policies:
             if p != "no-spec" and p in fronts:
@@ -224,8 +245,20 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
                 else f"{'-':>22s}"
             )
         print(line)
-    print("\nlagged vs max(no-spec, fixed policies) per concurrency:")
-    for x in goals["per_concurrency"]:
+    for title, k in (("whole run", "per_concurrency"), ("steady window", "steady_per_concurrency")):
+        if goals.get(k):
+            _print_goal(title, goals[k])
+    for p, m in goals.get("matched_throughput_speedup_vs_nospec", {}).items():
+        s = ", ".join(f"{x['throughput']:.0f} tok/s: {x['speedup']:.2f}x" for x in m)
+        print(f"per-user speed-up vs no-spec at matched throughput, {p}: {s or '-'}")
+    for a, d in goals["throughput_at_sla"].items():
+        s = ", ".join(f"{p} {'-' if v is None else f'{v:.0f}'}" for p, v in d.items())
+        print(f"throughput at SLA {a} tok/s/user: {s}")
+
+
+def _print_goal(title: str, per_c: list[dict[str, Any]]) -> None:
+    print(f"\nlagged vs max(no-spec, fixed policies) per concurrency, {title}:")
+    for x in per_c:
         print(
             f"  c={x['concurrency']:<3d} lagged {x['lagged']:8.1f}  best {x['best_rival']:<10s} "
             f"{x['best_rival_throughput']:8.1f}  ratio {x['ratio']:.3f} "
@@ -237,12 +270,6 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
                 else ""
             )
         )
-    for p, m in goals.get("matched_throughput_speedup_vs_nospec", {}).items():
-        s = ", ".join(f"{x['throughput']:.0f} tok/s: {x['speedup']:.2f}x" for x in m)
-        print(f"per-user speed-up vs no-spec at matched throughput, {p}: {s or '-'}")
-    for a, d in goals["throughput_at_sla"].items():
-        s = ", ".join(f"{p} {'-' if v is None else f'{v:.0f}'}" for p, v in d.items())
-        print(f"throughput at SLA {a} tok/s/user: {s}")
 
 
 def measure(
@@ -297,6 +324,7 @@ def run_interleaved(
 
 MEDIAN_KEYS = (
     "output_throughput",
+    "steady_output_throughput",
     "mean_tps_per_user",
     "median_tps_per_user",
     "accept_length",

@@ -369,6 +369,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's and SGLang's extension: usage (cumulative) on every chunk, not only after the last;
+    # load generators time tokens, not chunks, with it (a speculative step streams several)
+    continuous_usage_stats: bool = False
 
 
 class TextPart(_Strict):
@@ -644,8 +647,10 @@ async def _serve(api: Api, job: Job, body: _Body, request: Request, chat: bool) 
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     head = {"id": rid, "created": int(time.time()), "model": api.name}
     if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        gen = _sse(api, job, request, head, chat, usage)
+        opts = body.stream_options
+        usage = opts is not None and opts.include_usage
+        every = usage and opts is not None and opts.continuous_usage_stats
+        gen = _sse(api, job, request, head, chat, usage, every)
         return StreamingResponse(gen, media_type="text/event-stream")
     text, last = [], None
     try:
@@ -680,7 +685,13 @@ def _extras(job: Job, d: m.Delta) -> dict[str, Any]:
 
 
 async def _sse(
-    api: Api, job: Job, request: Request, head: dict[str, Any], chat: bool, usage: bool
+    api: Api,
+    job: Job,
+    request: Request,
+    head: dict[str, Any],
+    chat: bool,
+    usage: bool,
+    every: bool = False,
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -694,21 +705,32 @@ async def _sse(
         return _data({**head, "object": kind, "choices": [c], **extra})
 
     text = (lambda t: {"content": t} if t else {}) if chat else (lambda t: t)
+    n_in, n_out = len(job.prompt_ids), 0
+
+    def running() -> dict[str, Any]:  # continuous usage: the counts so far
+        if not every:
+            return {}
+        return {
+            "usage": dict(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+        }
+
     try:
         if chat:
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunk({"role": "assistant", "content": ""}, **running())
         async for d in api.events(job, request):
             if d.error is not None:
                 err = {"message": d.error, "type": "server_error", "code": d.status}
                 yield _data({"error": err})  # the openai client raises APIError on this
                 break
+            n_out += len(d.token_ids)
             if d.finished:
                 ext = _extras(job, d)
-                yield chunk(text(d.text), d.finish_reason, dspark=ext["dspark"])
+                n_out = max(n_out, d.num_output)
+                yield chunk(text(d.text), d.finish_reason, dspark=ext["dspark"], **running())
                 if usage:
                     yield _data({**head, "object": kind, "choices": [], "usage": ext["usage"]})
             elif d.text:
-                yield chunk(text(d.text))
+                yield chunk(text(d.text), **running())
         yield "data: [DONE]\n\n"
     finally:
         api.router.release(job)

@@ -79,6 +79,22 @@ def test_chat_and_streaming_agree(cluster: Cluster) -> None:
     assert events[-2]["usage"]["completion_tokens"] == 10
 
 
+def test_continuous_usage_counts_tokens_chunk_by_chunk(cluster: Cluster) -> None:
+    """stream_options.continuous_usage_stats (vLLM's and SGLang's spelling): every chunk carries
+    the tokens generated so far, non-decreasing, ending at max_tokens; without it only the
+    closing usage chunk has usage."""
+    req = {"prompt": "count with me", "max_tokens": 24, "temperature": 0}
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse(cluster, "/v1/completions", {**req, "stream_options": opts})[:-1]
+    content = [e for e in events if e.get("choices")]
+    counts = [e["usage"]["completion_tokens"] for e in content]
+    assert all(e["usage"]["prompt_tokens"] == content[0]["usage"]["prompt_tokens"] for e in content)
+    assert counts == sorted(counts) and counts[-1] == 24 and counts[0] >= 1
+    assert events[-1]["usage"]["completion_tokens"] == 24 and not events[-1]["choices"]
+    plain = sse(cluster, "/v1/completions", {**req, "stream_options": {"include_usage": True}})
+    assert sum("usage" in e for e in plain[:-1]) == 1
+
+
 def test_stop_strings_cut_and_never_leak_in_streams(cluster: Cluster) -> None:
     base = {"prompt": "abc", "max_tokens": 60, "temperature": 0}
     full = post(cluster, "/v1/completions", base).json()["choices"][0]["text"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,34 @@ def test_metric_math_on_synthetic_timestamps() -> None:
     assert m["output_goodput"] == pytest.approx(11 / 4.0)
     assert m["good_request_fraction"] == pytest.approx(1 / 3)
     assert m["errors"] == ["HTTP 503: busy"]
+
+
+def test_steady_window_throughput_on_synthetic_timestamps() -> None:
+    """Closed loop at c = 2, five requests: the window runs from the second completion (t = 4)
+    to the last send (t = 7); tokens are counted from each request's running usage, so a chunk
+    of several tokens counts them all, and the ramp and the drain stay out."""
+
+    def req(start: float, end: float, times: list[tuple[float, int]]) -> Outcome:
+        n = times[-1][1]
+        return Outcome(True, "", 10, n, start, times[0][0] - start, end - start, token_times=times)
+
+    outs = [
+        req(0.0, 3.0, [(1.0, 1), (2.0, 5), (3.0, 10)]),
+        req(0.0, 4.0, [(1.0, 1), (3.5, 6), (4.0, 10)]),
+        req(3.0, 7.0, [(3.5, 1), (4.5, 4), (6.0, 8), (7.0, 10)]),  # 9 tokens in (4, 7]
+        req(4.0, 8.0, [(4.5, 1), (6.5, 7), (8.0, 10)]),  # 7 in the window
+        req(7.0, 9.0, [(7.5, 1), (9.0, 10)]),  # sent at the window's end: none
+    ]
+    assert serving.steady_window(outs, 2) == (4.0, 7.0)
+    m = compute_metrics(outs, duration=9.0, closed_loop=2)
+    assert m["steady_window_s"] == pytest.approx(3.0)
+    assert m["steady_output_throughput"] == pytest.approx((9 + 7) / 3.0)
+    assert m["output_throughput"] == pytest.approx(50 / 9.0)
+    # No window (every request in the first wave), no continuous usage, or an open loop: None.
+    assert compute_metrics(outs[:2], 4.0, closed_loop=2)["steady_output_throughput"] is None
+    bare = [replace(o, token_times=[]) for o in outs]
+    assert compute_metrics(bare, 9.0, closed_loop=2)["steady_output_throughput"] is None
+    assert "steady_output_throughput" not in compute_metrics(outs, 9.0)
 
 
 def test_slo_parsing() -> None:

@@ -70,6 +70,25 @@ def test_paired_ratios_compare_within_each_pass() -> None:
     assert x["ratio"] == pytest.approx(177 / 180)  # ratio of medians, kept as it was
 
 
+def test_the_goal_is_also_judged_on_the_steady_window() -> None:
+    """Rows carrying steady_output_throughput get the same goal table on it (best rival picked
+    on that key); rows without it (a server without continuous usage) are left out."""
+    rows = [
+        _row("no-spec", 32, 700, 22) | {"steady_output_throughput": 690},
+        _row("fixed:3", 32, 650, 20) | {"steady_output_throughput": 720},
+        _row("lagged", 32, 660, 21) | {"steady_output_throughput": 740},
+        _row("no-spec", 64, 900, 14), _row("lagged", 64, 950, 15),
+    ]  # fmt: skip
+    g = sweep.analyse(rows, ["no-spec", "fixed:3", "lagged"], ())
+    whole = {x["concurrency"]: x for x in g["per_concurrency"]}
+    assert whole[32]["best_rival"] == "no-spec" and not whole[32]["pass"]
+    (st,) = g["steady_per_concurrency"]
+    assert st["concurrency"] == 32 and st["best_rival"] == "fixed:3"
+    assert st["ratio"] == pytest.approx(740 / 720) and st["pass"]
+    assert g["steady_lagged_ge_best_minus_3pct_every_c"] is True
+    assert "steady_per_concurrency" not in sweep.analyse(rows[3:], ["no-spec", "lagged"], ())
+
+
 def test_replot_from_jsonl(tmp_path: Path) -> None:
     rows = [_row(p, c, 100.0 * c, 100.0 / c) for p in ("no-spec", "lagged") for c in (1, 2)]
     (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
