@@ -18,7 +18,7 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -556,6 +556,14 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
         if not args.disable_shuffle:
             random.Random(args.seed).shuffle(order)
         ps = [base[order[i % len(base)]] for i in range(n)]
+        if args.output_len_range_ratio < 1.0:  # its own draws: the order stays the same
+            lens = random_lengths(
+                np.random.default_rng([args.seed, 1]),
+                n,
+                args.output_len,
+                args.output_len_range_ratio,
+            )
+            ps = [replace(p, output_len=int(k)) for p, k in zip(ps, lens, strict=True)]
     return [ps[i % len(ps)] for i in range(args.warmup_requests)] + ps
 
 
@@ -674,6 +682,7 @@ def _header(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "output_len": args.output_len,
+        "output_len_range_ratio": args.output_len_range_ratio,
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
@@ -793,6 +802,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--output-len", type=int, default=128, help="max_tokens of heldout/custom prompts"
     )
+    ap.add_argument(
+        "--output-len-range-ratio",
+        type=float,
+        default=1.0,
+        help="heldout/custom max_tokens uniform in [output-len*ratio, output-len] per request "
+        "(1 = fixed); with --ignore-eos a fixed length finishes a closed loop's requests in "
+        "lock-step",
+    )
     ap.add_argument("--random-input-len", type=int, default=128)
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument(
@@ -881,6 +898,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--num-prompts must be >= 1 and --warmup-requests >= 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         ap.error("--max-concurrency must be >= 1")
+    if not 0.0 < args.output_len_range_ratio <= 1.0:
+        ap.error("--output-len-range-ratio must be in (0, 1]")
     if not args.request_rate > 0:
         ap.error("--request-rate must be > 0 (inf for all at once)")
     if args.use_trace_timestamps and args.dataset_name != "mooncake":

@@ -110,6 +110,7 @@ def bench_args(args: argparse.Namespace, policy: str, c: int, slot: int = 0) -> 
         "--num-prompts", str(n),
         "--max-concurrency", str(c),
         "--output-len", str(args.output_len),
+        "--output-len-range-ratio", str(args.output_len_range_ratio),
         "--temperature", str(args.temperature),
         "--warmup-requests", str(args.warmup_requests),
         "--seed", str(args.seed),
@@ -385,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-prompts", type=int, default=12)
     ap.add_argument("--warmup-requests", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--output-len-range-ratio",
+        type=float,
+        default=1.0,
+        help="max_tokens per request uniform in [output-len*ratio, output-len] (bench.serving)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dataset-path", type=Path, help="jsonl turns (sent as chat)")

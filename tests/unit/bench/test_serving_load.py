@@ -125,6 +125,24 @@ def test_prompt_order_is_fixed_by_seed(tmp_path: Path) -> None:
     assert [p.prompt for p in d] == ["hello", "hello", "p2"]  # warm-up request first
 
 
+def test_output_len_range_ratio_varies_max_tokens_not_the_order() -> None:
+    """--output-len-range-ratio draws each text prompt's max_tokens in [len*ratio, len] (so a
+    closed loop with --ignore-eos does not finish in lock-step); same seed, same lengths; the
+    prompt order is the fixed-length run's; a ratio outside (0, 1] is a CLI error."""
+    argv = ["--num-prompts", "200", "--seed", "3", "--output-len", "128"]
+    fixed = serving.build_prompts(serving.parse_args(argv))
+    a = serving.build_prompts(serving.parse_args([*argv, "--output-len-range-ratio", "0.5"]))
+    b = serving.build_prompts(serving.parse_args([*argv, "--output-len-range-ratio", "0.5"]))
+    assert [p.prompt for p in a] == [p.prompt for p in fixed]
+    assert [p.output_len for p in a] == [p.output_len for p in b]
+    lens = [p.output_len for p in a]
+    assert min(lens) >= 64 and max(lens) <= 128 and len(set(lens)) > 30
+    assert {p.output_len for p in fixed} == {128}
+    for bad in ("0", "1.5", "-1"):
+        with pytest.raises(SystemExit):
+            serving.parse_args([*argv, "--output-len-range-ratio", bad])
+
+
 def test_mooncake_trace_shares_prefixes_and_timestamps(tmp_path: Path) -> None:
     f = tmp_path / "trace.jsonl"
     rows = [
