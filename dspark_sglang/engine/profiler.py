@@ -112,10 +112,18 @@ def time_draft(
     repeats: int,
     warmup: int,
     gen: torch.Generator,
+    sampled: bool = False,
 ) -> float:
-    """Median wall seconds of one drafting pass (block forward + sequential head, sampling at
-    T = 1) for `num_reqs` requests with `ctx` context tokens each: the capacity model's draft
-    term. The draft context K/V holds whatever the pool's slots hold; only the time matters."""
+    """Median wall seconds of one drafting pass (block forward + sequential head) for
+    `num_reqs` requests with `ctx` context tokens each: the capacity model's draft term. The
+    draft context K/V holds whatever the pool's slots hold; only the time matters.
+
+    Greedy unless `sampled` (T = 1, one generator per request, CPU only): on the CPU engine
+    sampling costs 1.6-2x greedy at R = 16-64 (R = 64: 120-126 vs 71 ms), and the cheaper price
+    is the one to start from. The live estimator corrects a drafter priced too low from the first
+    drafting steps, which time it; one priced too high is never corrected, since lagged then
+    drafts no whole batch (probes price nothing): a start-up at T = 1 priced R = 64 at 154 ms
+    where a greedy drafting step added 80 ms, and lagged served c = 64 without drafting."""
     assert runner.drafter is not None
     seqs = []
     try:
@@ -127,8 +135,7 @@ def time_draft(
             pool.grow(seq.block_table, ctx + 1)
             seqs.append(seq)
         batch = build_draft_batch(seqs, runner.page_size, runner.device)
-        # The CPU generator cannot drive sampling on a GPU; greedy drafting costs about the same.
-        sampled = runner.device == "cpu"
+        sampled = sampled and runner.device == "cpu"  # a CPU generator cannot drive a GPU
         temps = torch.full((num_reqs,), 1.0 if sampled else 0.0, device=runner.device)
         gens = [gen if sampled else None] * num_reqs
         times = []

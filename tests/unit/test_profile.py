@@ -201,3 +201,32 @@ def test_drafter_points_become_the_profile_draft_term(
     assert model.draft is not None and model.draft.knots == (1.0, 2.0, 4.0)
     assert model.draft_seconds(4) >= model.draft_seconds(1) > 0  # never falling in R
     assert model.predict(1, 3, 32, drafted=True) > model.predict(1, 3, 32)
+
+
+def test_the_draft_term_is_timed_greedy_unless_asked_to_sample(tmp_path: Path) -> None:
+    """time_draft drafts greedily (temperature 0, no generators) by default: the start-up price
+    is the cheaper one, which the live estimator corrects from drafting steps if traffic samples;
+    `sampled=True` times T = 1 with a generator per request."""
+    import torch
+
+    from dspark_sglang.engine.engine import LLM
+    from dspark_sglang.engine.profiler import time_draft
+    from tests.conftest import write_drafter, write_hf_model
+
+    target = write_hf_model(tmp_path / "t", moe=True)
+    drafter = write_drafter(tmp_path / "d", target, block_size=4)
+    llm = LLM(str(target), draft_model=str(drafter), schedule_mode="verify-all")
+    seen = []
+    inner = llm.runner.draft
+
+    def spy(batch: Any, temps: torch.Tensor, gens: list) -> Any:
+        seen.append((temps.tolist(), [g is not None for g in gens]))
+        return inner(batch, temps, gens)
+
+    llm.runner.draft = spy  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(0)
+    assert time_draft(llm.runner, llm.pool, 3, 16, repeats=1, warmup=0, gen=gen) > 0
+    assert seen[-1] == ([0.0] * 3, [False] * 3)
+    time_draft(llm.runner, llm.pool, 3, 16, repeats=1, warmup=0, gen=gen, sampled=True)
+    assert seen[-1] == ([1.0] * 3, [True] * 3)
+    llm.close()
