@@ -244,6 +244,32 @@ class CostModel:
             t = max(t + self.prefill(prefill_tokens), floor)
         return t
 
+    def slowed(self, factor: float) -> CostModel:
+        """Every term × `factor`: the same engine on a host running at 1 / factor of the speed
+        the terms were measured at (validate's host speed index)."""
+        if factor <= 0:
+            raise ValueError(f"speed factor must be > 0, got {factor}")
+        cap = self.capacity
+        scale = (
+            Curve((1.0,), (factor,))
+            if cap.scale is None
+            else Curve(cap.scale.knots, tuple(v * factor for v in cap.scale.values))
+        )
+        cap = replace(cap, scale=scale)
+        if cap.host is not None:
+            cap = replace(
+                cap, host=Curve(cap.host.knots, tuple(v * factor for v in cap.host.values))
+            )
+        if cap.draft is not None:
+            cap = replace(
+                cap, draft=Curve(cap.draft.knots, tuple(v * factor for v in cap.draft.values))
+            )
+
+        def times(f: Linear) -> Linear:
+            return Linear(f.a * factor, f.b * factor)
+
+        return CostModel(cap, times(self.overhead), times(self.draft), times(self.prefill))
+
     def prefill_seconds(self, prompt_len: int) -> float:
         """One prompt prefilled alone (the PD prefill side)."""
         alone = self.capacity.predict(1, prompt_len, prompt_len)

@@ -132,6 +132,41 @@ def test_prompt_tokens_may_cost_less_than_verify_tokens_but_never_below_the_rest
     assert simulate.fit_linear(x, 0.001 - 0.0001 * x).b == 0.0
 
 
+def test_a_slowed_cost_model_charges_every_term_by_the_speed_factor() -> None:
+    """validate's host speed index: a host at half the speed doubles every step, plain,
+    drafting, prompt-bearing (the floor included) and planned, and the live scale it carries
+    already is kept under the factor."""
+    from dspark_sglang.algo.capacity import TableModel
+
+    base = CapacityModel(
+        TableModel((1, 4, 104, 204), (0.01, 0.012, 0.02, 0.03)),
+        scale=Curve((1.0, 64.0), (1.1, 1.4)),
+    )
+    cost = CostModel(base, Linear(0.002, 0.0001), Linear(0.003, 0.0005), Linear(0.0, -0.00005))
+    slow = cost.slowed(2.0)
+    for r, b, ctx, drafting, prompt in [
+        (1, 1, 100, 0, 0),
+        (4, 4, 900, 4, 0),
+        (4, 104, 500, 0, 100),
+    ]:
+        assert slow.step_seconds(r, b, ctx, drafting, prompt) == pytest.approx(
+            2.0 * cost.step_seconds(r, b, ctx, drafting, prompt)
+        )
+    steep = CostModel(base, prefill=Linear(0.0, -0.001))  # floored at the 4 decode rows
+    assert steep.slowed(3.0).step_seconds(4, 104, 500, 0, 100) == pytest.approx(
+        3.0 * steep.step_seconds(4, 104, 500, 0, 100)
+    )
+    plan, slow_plan = cost.planning_model(), slow.planning_model()
+    assert slow_plan.predict(4, 32, 900, drafted=True) == pytest.approx(
+        2.0 * plan.predict(4, 32, 900, drafted=True)
+    )
+    assert cost.slowed(1.0).step_seconds(4, 4, 900, 4) == pytest.approx(
+        cost.step_seconds(4, 4, 900, 4)
+    )
+    with pytest.raises(ValueError, match="speed factor"):
+        cost.slowed(0.0)
+
+
 def test_simulator_is_deterministic_with_a_seed() -> None:
     bank = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["code"]), 5, np.random.default_rng(0),
                           num_trajectories=32, rounds=64)  # fmt: skip
@@ -231,6 +266,7 @@ def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path
     args = ["--num-prompts", "4", "--output-len", "12"]
     assert simulate.main(["record", *args, "--batch", "4", "--out", str(trace)]) == 0
     loads = ["--concurrency", "1,2", "--calibrate-at", "1,3", "--requests-per-user", "1"]
+    loads += ["--repeats", "2"]
     val = ["validate", "--profile", str(profile), "--trace", str(trace), *args, *loads]
     assert simulate.main([*val, "--min-requests", "2", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
@@ -239,6 +275,27 @@ def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path
     for r in rep["rows"]:
         assert r["real_throughput"] > 0 and r["sim_throughput"] > 0
         assert r["within_10pct"] == (abs(r["error"]) <= 0.10)
+        assert 0.2 < r["host_speed"] < 5.0 and r["sim_throughput_unindexed"] > 0
+        # Two interleaved runs per load; the row compares their medians.
+        assert r["repeats"] == len(r["runs"]) == 2
+        real = [x["real_throughput"] for x in r["runs"]]
+        assert r["real_throughput"] == pytest.approx(float(np.median(real)))
+    # The index is timed around every calibration run: 2 loads x (no-spec, lagged, verify-all).
+    assert rep["speed_index"] and len(rep["calibration_host_speed"]) == 6
+    off = tmp_path / "off.json"
+    no_index = [*val, "--min-requests", "2", "--no-speed-index", "--repeats", "1"]
+    assert simulate.main([*no_index, "--out", str(off)]) == 0
+    rep = json.loads(off.read_text())
+    assert not rep["speed_index"] and set(rep["calibration_host_speed"]) == {1.0}
+    for r in rep["rows"]:  # without the index both predictions are the calibration's
+        assert r["host_speed"] == 1.0
+        assert r["sim_throughput_unindexed"] == pytest.approx(r["sim_throughput"])
     drift = rep["calibration_forward_vs_profile_by_batch"]
     assert drift and all(0.2 < v < 5.0 for v in drift.values())
     assert {"overhead", "overhead_lagged", "draft", "prefill"} <= set(rep)
+
+
+def test_validate_rejects_zero_repeats_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        simulate.main(["validate", "--profile", "p.yaml", "--trace", "t.jsonl", "--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err
