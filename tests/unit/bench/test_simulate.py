@@ -280,6 +280,8 @@ def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path
         assert r["repeats"] == len(r["runs"]) == 2
         real = [x["real_throughput"] for x in r["runs"]]
         assert r["real_throughput"] == pytest.approx(float(np.median(real)))
+        paired = [x["sim_throughput"] / x["real_throughput"] - 1 for x in r["runs"]]
+        assert r["error"] == pytest.approx(float(np.median(paired)))
     # The index is timed around every calibration run: 2 loads x (no-spec, lagged, verify-all).
     assert rep["speed_index"] and len(rep["calibration_host_speed"]) == 6
     off = tmp_path / "off.json"
