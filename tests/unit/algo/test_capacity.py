@@ -552,6 +552,56 @@ def test_the_draft_level_learned_at_some_r_carries_to_an_r_not_drafted_yet() -> 
     assert float(exact.model.draft_seconds(32)) == pytest.approx(extra(32), rel=0.02)
 
 
+def test_an_r_above_every_drafted_r_costs_at_most_in_proportion_to_its_rows() -> None:
+    """A start-up drafter curve timed high at R = 64 (3x) would never be corrected, since the
+    planner then drafts no batch that large. Once drafting was seen at R <= 32, R = 64 is priced
+    at most R = 32's price x 2: still at or above the truth (drafting costs a fixed part plus a
+    per-row part), and no longer 3x it. R seen fewer than CAP_MIN_RECORDS times caps nothing."""
+    from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS
+
+    def extra(r: int) -> float:
+        return 0.002 + 0.0012 * r
+
+    knots = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    high = tuple(extra(int(r)) * (3.0 if r == 64 else 1.0) for r in knots)
+    prior = replace(TRUTH, draft=Curve(knots, high))
+
+    def feed(est: LiveEstimator, reqs: tuple[int, ...], steps: int) -> None:
+        for t in range(steps):
+            r = reqs[t % len(reqs)]
+            fwd = TRUTH.predict(r, 8 * r, 800 * r)
+            est.observe(
+                StepRecord(
+                    t,
+                    r,
+                    8 * r,
+                    0,
+                    r,
+                    800 * r,
+                    fwd + extra(r),
+                    draft_seconds=0.001,
+                    forward_seconds=fwd,
+                )
+            )
+
+    est = LiveEstimator(prior)
+    assert float(est.model.draft_seconds(64)) == pytest.approx(3 * extra(64))  # nothing seen
+    feed(est, (8, 16, 32), 120)
+    d32, d64 = float(est.model.draft_seconds(32)), float(est.model.draft_seconds(64))
+    assert d32 == pytest.approx(extra(32), rel=0.05)
+    assert extra(64) <= d64 <= 2 * d32 * 1.001
+    assert float(est.model.draft_seconds(48)) <= 1.5 * d32 * 1.001
+    # below the drafted range nothing changes: R = 16 is its own EWMA
+    assert float(est.model.draft_seconds(16)) == pytest.approx(extra(16), rel=0.05)
+    few = LiveEstimator(prior)
+    feed(few, (8,), 64)
+    feed(few, (32,), CAP_MIN_RECORDS - 1)
+    feed(few, (8,), 32)  # publishes a model that has seen both
+    d8, d64 = float(few.model.draft_seconds(8)), float(few.model.draft_seconds(64))
+    assert d8 == pytest.approx(extra(8), rel=0.05)
+    assert d64 == pytest.approx(8 * d8, rel=0.01)  # capped from R = 8, not from R = 32
+
+
 def test_one_bucket_fed_prices_the_others_at_its_level() -> None:
     """Lagged K = 0 at c = 1 feeds the estimator one bucket (B = 1) for thousands of steps on a
     host whose speed wanders. Those records fix only the sum of the level and the bucket's
