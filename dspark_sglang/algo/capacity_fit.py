@@ -171,7 +171,7 @@ def _cap_above_seen(table: dict[int, tuple[float, float]], curve: Curve | None) 
     R's price scaled by R: drafting costs at most in proportion to its rows (a fixed part plus a
     per-row part; the profile CLI: 43.6 ms at R = 32, 71.4 at 64). Above the drafted range the
     price is the start-up curve's shape times the level, and a start-up point timed high (three
-    repeats on a noisy host: R = 64 at 94-112 ms where 15 repeats gave 67-85) is never corrected,
+    repeats on a noisy host; 15-repeat timings of R = 64 ranged 67-113 ms) is never corrected,
     because the planner then drafts no batch that large (probes price nothing): in-process,
     2026-12-01, a lagged engine that had drafted R = 31 at 41.5 ms priced R = 64 at 151 ms and
     served c = 64 without drafting."""
