@@ -222,7 +222,11 @@ class DraftConfig:
     startup_profile_seconds: float = 60.0  # bound on start-up capacity profiling
     live_capacity: bool = True  # refit the capacity model from every step's timing
     min_user_tps: float = 0.0  # SLA floor on each request's expected tokens/s (0 = off)
-    overlap: bool = True  # lagged mode: plan the next step's K while this step runs
+    # lagged mode: plan the next step's K on a worker thread while this step runs. None = where
+    # that hides anything: CUDA, whose kernels run while the host plans. A CPU forward is the host
+    # itself: the thread only contends with it (in-process, c = 1 and 8, the plain steps ran
+    # 0.9-2.1 ms slower with the thread than without, docs/scheduler.md).
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if self.min_user_tps < 0:
@@ -390,6 +394,9 @@ class ServeConfig:
     heartbeat_timeout_s: float = 3.0
     max_retries: int = 2  # re-dispatches of a request that has not emitted a token yet
     max_message_bytes: int = 1 << 30  # larger ZMQ messages are dropped by the receiver
+    step_log_dir: str | None = (
+        None  # each worker appends its StepRecords to DIR/<worker>.steps.jsonl
+    )
 
     def __post_init__(self) -> None:
         addrs = (self.api_addr, *self.prefill_addrs, *self.decode_addrs)

@@ -68,9 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--startup-profile-seconds", type=float, default=dc.startup_profile_seconds)
     a("--min-user-tps", type=float, default=dc.min_user_tps, help="per-request tokens/s floor")
-    a(
+    ov = p.add_mutually_exclusive_group()
+    ov.add_argument(
+        "--enable-overlap-schedule",
+        dest="overlap",
+        action="store_const",
+        const=True,
+        help="lagged mode: plan the next step's K on a thread while this step runs "
+        "(default on CUDA devices only)",
+    )
+    ov.add_argument(
         "--disable-overlap-schedule",
-        action="store_true",
+        dest="overlap",
+        action="store_const",
+        const=False,
         help="lagged mode: plan each step's K after the previous step, not during it",
     )
     a(
@@ -114,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--request-timeout", type=float, default=s.request_timeout_s, help="seconds")
     a("--heartbeat-interval", type=float, default=s.heartbeat_interval_s, help="seconds")
     a("--heartbeat-timeout", type=float, default=s.heartbeat_timeout_s, help="seconds")
+    a(
+        "--step-log",
+        metavar="DIR",
+        help="each worker appends one JSON line per engine step (batch, K, timings, predicted "
+        "time) to DIR/<worker>.steps.jsonl",
+    )
     a("--sglang-config", help="--engine sglang: deployment YAML (launch/sglang_*.yaml)")
     a("--node-rank", type=int, default=0, help="--engine sglang: this node's rank in its server")
     a("--dry-run", action="store_true", help="--engine sglang: print the commands, start nothing")
@@ -180,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             capacity_profile=args.capacity_profile,
             startup_profile_seconds=args.startup_profile_seconds,
             min_user_tps=args.min_user_tps,
-            overlap=not args.disable_overlap_schedule,
+            overlap=args.overlap,
         ),
         seed=args.seed,
         parallel=parallel,
@@ -198,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             request_timeout_s=args.request_timeout,
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            step_log_dir=args.step_log,
         ),
     )
 

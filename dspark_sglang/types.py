@@ -116,3 +116,4 @@ class StepRecord:
     # the drafter's first run after steps without it (lagged K = 0): its time carries the
     # draft-context backlog of those steps and a cold drafter, not what drafting costs per step
     draft_resumed: bool = False
+    num_accepted: int = 0  # drafts accepted this step, over every verified row

@@ -58,7 +58,8 @@ def server_command(args: argparse.Namespace, policy: str, slot: int = 0) -> list
             else:
                 cmd += ["--startup-profile-seconds", str(args.startup_profile_seconds)]
     cmd += ["--max-running-requests", str(max(args.concurrency))]
-    return cmd + shlex.split(args.server_args)
+    # {policy} lets per-deployment outputs (--step-log DIR) go to one folder per policy
+    return cmd + shlex.split(args.server_args.replace("{policy}", policy))
 
 
 class Server:
@@ -404,7 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--capacity-profile", help="engine profile for lagged/sync (else start-up)")
     ap.add_argument("--startup-profile-seconds", type=float, default=20.0)
-    ap.add_argument("--server-args", default="", help="extra launch_server flags")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="extra launch_server flags ({policy} becomes the deployment's policy); "
+        "pass as --server-args='--flag ...'",
+    )
     ap.add_argument("--port", type=int, default=30400)
     ap.add_argument("--zmq-port", type=int, default=30500)
     ap.add_argument("--ready-timeout", type=float, default=300.0)

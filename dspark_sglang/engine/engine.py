@@ -186,8 +186,9 @@ class LLMEngine:
         sts_file = Path(cfg.path) / "sts.json"
         if sts_file.is_file():
             sts = np.asarray(json.loads(sts_file.read_text())["temperatures"], dtype=np.float64)
+        overlap = cfg.overlap if cfg.overlap is not None else self.runner.device.startswith("cuda")
         return VerifyPlanner(
-            mode, self.gamma, capacity, sts, cfg.live_capacity, cfg.min_user_tps, cfg.overlap
+            mode, self.gamma, capacity, sts, cfg.live_capacity, cfg.min_user_tps, overlap
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:
@@ -540,6 +541,7 @@ class LLMEngine:
             num_draft_reqs=self._draft_rows,
             probe=p is not None and p.probe,
             draft_resumed=p is not None and p.resumed,
+            num_accepted=sum(accepted.values()),
         )
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()

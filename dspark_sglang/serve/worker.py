@@ -12,7 +12,10 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
 
 from dspark_sglang.config import Config, ConfigError
 from dspark_sglang.engine.engine import LLMEngine
@@ -38,7 +41,8 @@ class WorkerLink:
         self.cfg = cfg.serve
         self.sec = Security(cfg.serve)
         self.records: list[StepRecord] = []  # since the last heartbeat
-        self.engine = LLMEngine(cfg, on_step=self.records.append)
+        self._step_log = _open_step_log(cfg.serve.step_log_dir, self.name)
+        self.engine = LLMEngine(cfg, on_step=self._on_step)
         self.inbox = Receiver(addrs[index], self.sec)
         self.router = Sender(cfg.serve.api_addr, self.sec)
         self.boot = secrets.randbits(62)
@@ -62,6 +66,11 @@ class WorkerLink:
             draft_hidden=d.hidden_size if d else 0,
             gamma=self.engine.gamma if d else 0,
         )
+
+    def _on_step(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+        if self._step_log is not None:
+            self._step_log.write(_ENC.encode(rec) + b"\n")
 
     def poll(self, busy: bool) -> Iterator[tuple[m.Message, list]]:
         """Messages now; when idle, wait for one until the next heartbeat is due."""
@@ -108,6 +117,23 @@ class WorkerLink:
         )
         recs.clear()
         self.router.send(m.encode(hb))
+        if self._step_log is not None:  # whole lines at least every heartbeat, for tail -f
+            self._step_log.flush()
+
+
+_ENC = msgspec.json.Encoder()
+
+
+def _open_step_log(folder: str | None, name: str) -> IO[bytes] | None:
+    """DIR/<worker>.steps.jsonl in append mode (restarts add to it), or None."""
+    if folder is None:
+        return None
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return (path / f"{name}.steps.jsonl").open("ab")
+    except OSError as e:
+        raise ConfigError(f"--step-log {folder}: {e}") from e
 
 
 def _step_summary(recs: list[StepRecord]) -> dict[str, Any]:

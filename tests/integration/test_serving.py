@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -252,15 +254,56 @@ def test_client_disconnect_frees_kv(cluster: Cluster) -> None:
 
 def test_default_lagged_scheduler_serves_greedy_identically(model_pair: tuple[Path, Path]) -> None:
     """The serving default (lagged top-K with a start-up capacity profile) stays lossless:
-    greedy text over PD equals plain (non-speculative) decoding of the same target."""
+    greedy text over PD equals plain (non-speculative) decoding of the same target. With
+    --step-log each worker writes its steps as JSON lines, and the decode worker's account for
+    every token it committed."""
     target, _ = model_pair
     prompts = ["hello world", "The quick brown fox"]
     want = LLM(str(target)).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
-    c = Cluster(model_pair, extra=("--schedule-mode", "lagged", "--startup-profile-seconds", "2"))
+    logs = Path(tempfile.mkdtemp(prefix="dsp-steps"))
+    extra = ("--schedule-mode", "lagged", "--startup-profile-seconds", "2")
+    c = Cluster(model_pair, extra=(*extra, "--step-log", str(logs / "new")))
     try:
         c.start_all()
         for p, w in zip(prompts, want, strict=True):
             r = post(c, "/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0})
             assert r.json()["choices"][0]["text"] == w.text
+        # the first token of each request comes from the prefill worker, the other 23 from
+        # decode steps that each commit one token per row plus the row's accepted drafts
+        deadline, recs = time.monotonic() + 10, []
+        while time.monotonic() < deadline:  # lines are flushed at each heartbeat
+            recs = _read_steps(logs / "new" / "decode0.steps.jsonl")
+            if sum(r["num_decode_reqs"] + r["num_accepted"] for r in recs) >= 46:
+                break
+            time.sleep(0.1)
+        assert sum(r["num_decode_reqs"] + r["num_accepted"] for r in recs) == 2 * 23
+        planned = [r for r in recs if r["verify_budget_k"] >= 0]
+        assert planned and all(r["predicted_seconds"] > 0 for r in planned)
+        assert all(r["step_seconds"] > 0 and r["num_prefill_tokens"] == 0 for r in recs)
+        pre = _read_steps(logs / "new" / "prefill0.steps.jsonl")
+        assert sum(r["num_prefill_tokens"] for r in pre) > 0
+    finally:
+        c.stop()
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _read_steps(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    return [json.loads(x) for x in lines[:-1]]  # a last line without its newline is unwritten
+
+
+def test_a_step_log_folder_that_cannot_be_made_is_a_clear_error(
+    model_pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """--step-log under a regular file: the decode worker exits naming the flag."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    c = Cluster(model_pair, extra=("--step-log", str(blocker / "sub")))
+    try:
+        p = c.start("decode", 0)
+        assert p.wait(120) != 0
+        assert "--step-log" in c.log("decode0")
     finally:
         c.stop()

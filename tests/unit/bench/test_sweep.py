@@ -28,6 +28,9 @@ def test_server_command_per_policy() -> None:
     assert fx[fx.index("--schedule-mode") + 1] == "fixed:3" and "--capacity-profile" not in fx
     b = sweep.bench_args(_args(), "lagged", 8)
     assert b.max_concurrency == 8 and b.num_prompts == 24 and b.ignore_eos
+    logged = _args("--server-args=--step-log out/{policy} --disable-overlap-schedule")
+    cmd = sweep.server_command(logged, "fixed:3")
+    assert cmd[-3:] == ["--step-log", "out/fixed:3", "--disable-overlap-schedule"]
 
 
 def _row(policy: str, c: int, thr: float, tps: float) -> dict:

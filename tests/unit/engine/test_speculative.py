@@ -244,7 +244,7 @@ def write_capacity_profile(path: Path, gamma: int, draft_s: float | None = None)
 
 
 def lagged_on_fixed_curve(
-    pair: tuple[Path, Path], tmp_path: Path, draft_s: float, num_blocks: int = 128, **kw: int
+    pair: tuple[Path, Path], tmp_path: Path, draft_s: float, num_blocks: int = 128, **kw: object
 ) -> LLM:
     """Lagged on a fixed capacity curve (live refit off) whose drafter costs `draft_s` seconds
     (a forward costs about 10 ms)."""
@@ -378,6 +378,46 @@ def test_lagged_k_memo_changes_no_decision(
         assert 0 in k_m and max(k_m) > 0
     if scenario != "free-drafter":  # K = 0 stretches (a free drafter drafts anew every step)
         assert hits_m > len(k_m) // 4
+
+
+@pytest.mark.parametrize("scenario", ["probes-out", "free-drafter"])
+def test_lagged_overlap_thread_plans_the_k_inline_planning_would(
+    pair: tuple[Path, Path], tmp_path: Path, scenario: str
+) -> None:
+    """Overlap (the next K planned on a worker thread during the forward) is off by default on
+    the CPU and on for CUDA. Forced on here it runs the thread (only its first step has no plan
+    from the step before) and stays lossless; its K may differ from inline planning's only in
+    that the thread cannot see the acceptance of the step it overlaps. The default on the CPU
+    plans exactly as overlap off does."""
+    from dspark_sglang.types import StepRecord
+
+    target, _ = pair
+    ps = prompts(3, seed=5)
+    ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
+    runs = []
+    for overlap in (None, True, False):
+        kw = {} if overlap is None else {"overlap": overlap}
+        if scenario == "probes-out":  # K = 0 until probes see the drafter is always right
+            spec = lagged_on_fixed_curve(pair, tmp_path, 0.02, max_running_requests=1, **kw)
+            spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
+        else:
+            spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, max_running_requests=3, **kw)
+        assert spec.planner is not None
+        assert (spec.planner._pool is not None) == bool(overlap)  # None on CPU: off
+        recs: list[StepRecord] = []
+        spec.on_step = recs.append
+        outs = spec.generate(ps, GREEDY)
+        fallbacks = dict(spec.planner.fallbacks)
+        spec.close()
+        runs.append(([o.output_ids for o in outs], [r.verify_budget_k for r in recs], fallbacks))
+    (out_d, k_d, fb_d), (out_on, k_on, fb_on), (out_off, k_off, fb_off) = runs
+    assert out_d == out_on == out_off == [o.output_ids for o in ref]
+    assert k_d == k_off and max(k_on) > 0 and max(k_off) > 0
+    if scenario == "probes-out":
+        assert 0 in k_on and 0 in k_off
+    # only the thread's first step has no plan from the step before it
+    assert fb_on == {"no_overlap_plan": 1} and fb_off == fb_d == {}
 
 
 def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:

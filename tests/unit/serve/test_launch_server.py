@@ -60,9 +60,12 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.serve.prefill_addrs == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40002")
     assert cfg.serve.decode_addrs[-1] == "tcp://127.0.0.1:40005"
     assert cfg.cache.page_size == 8 and not cfg.draft.enabled
-    assert cfg.draft.overlap
-    off = build_parser().parse_args(["--model-path", str(model), "--disable-overlap-schedule"])
-    assert not config_from_args(off).draft.overlap
+    assert cfg.draft.overlap is None  # the engine decides: on for CUDA, off on the CPU
+    for flag, want in (("--disable-overlap-schedule", False), ("--enable-overlap-schedule", True)):
+        got = build_parser().parse_args(["--model-path", str(model), flag])
+        assert config_from_args(got).draft.overlap is want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--enable-overlap-schedule", "--disable-overlap-schedule"])
 
 
 def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
