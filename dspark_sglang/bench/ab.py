@@ -1,0 +1,134 @@
+"""`python -m dspark_sglang.bench.ab`: engine configurations side by side in one process.
+
+Each configuration is an offline engine (`LLM`) capped at `--concurrency` running requests. A
+round gives every engine the same 2c prompts (greedy, `ignore_eos`, a fixed output length), the
+engines one after another, the order flipping each round, so a shared machine's drift hits all
+of them alike. Reports each configuration's median output tok/s and, per round, its tok/s over the
+first configuration's (median and IQR): on a noisy host the paired ratio is the number to read.
+
+A configuration is a schedule mode (or `no-spec`) with engine options, e.g. `lagged`,
+`lagged,overlap=true`, `fixed:3,live_capacity=false`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
+from dspark_sglang.config import ConfigError
+from dspark_sglang.engine.engine import LLM
+from dspark_sglang.eval import HELDOUT_PROMPTS, load_prompts
+from dspark_sglang.types import SamplingParams
+
+
+def _value(text: str) -> object:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_config(spec: str) -> tuple[str, dict[str, object]]:
+    """`MODE[,key=value,...]` -> (mode, engine options); ConfigError naming --config."""
+    mode, *items = spec.split(",")
+    opts: dict[str, object] = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--config {spec!r}: expected key=value after the mode, got {item!r}")
+        opts[key] = _value(val)
+    if not mode:
+        raise ConfigError(f"--config {spec!r}: empty mode")
+    return mode, opts
+
+
+def make_engine(model: str, drafter: str, mode: str, opts: dict, concurrency: int) -> LLM:
+    if mode == "no-spec":
+        return LLM(model, max_running_requests=concurrency, **opts)
+    opts = {"startup_profile_seconds": 20.0, **opts}
+    return LLM(
+        model, draft_model=drafter, schedule_mode=mode, max_running_requests=concurrency, **opts
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_sglang.bench.ab", description=__doc__)
+    ap.add_argument("--config", action="append", required=True, metavar="MODE[,K=V...]")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--model-path", default=str(bundled_target_dir()))
+    ap.add_argument("--draft-model-path", default=str(ASSETS_DIR / "drafters" / "dspark"))
+    ap.add_argument("--dataset", type=Path, default=HELDOUT_PROMPTS)
+    ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    args = ap.parse_args(argv)
+    if len(args.config) < 2:
+        ap.error("--config: give at least two configurations to compare")
+    if min(args.concurrency, args.rounds, args.output_len) < 1:
+        ap.error("--concurrency, --rounds and --output-len must be >= 1")
+    c = args.concurrency
+    try:
+        configs = [parse_config(s) for s in args.config]
+        prompts = load_prompts(args.dataset, args.model_path, 4 * c)
+        engines = [make_engine(args.model_path, args.draft_model_path, m, o, c) for m, o in configs]
+    except (ConfigError, TypeError) as e:  # TypeError: an option the engine does not take
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for llm in engines:  # warm-up, excluded
+        llm.generate(prompts[:c], sp)
+    tok_s = np.zeros((args.rounds, len(engines)))
+    for r in range(args.rounds):
+        batch = [prompts[(r * c + i) % len(prompts)] for i in range(2 * c)]
+        order = range(len(engines)) if r % 2 == 0 else reversed(range(len(engines)))
+        for i in order:
+            t0 = time.perf_counter()
+            outs = engines[i].generate(batch, sp)
+            tok_s[r, i] = sum(len(o.output_ids) for o in outs) / (time.perf_counter() - t0)
+    for llm in engines:
+        llm.close()
+    ratio = tok_s / tok_s[:, :1]
+    rows = []
+    for i, spec in enumerate(args.config):
+        q1, med, q3 = np.quantile(ratio[:, i], [0.25, 0.5, 0.75])
+        rows.append(
+            {
+                "config": spec,
+                "median_tok_s": float(np.median(tok_s[:, i])),
+                "ratio_median": float(med),
+                "ratio_iqr": [float(q1), float(q3)],
+                "tok_s_rounds": tok_s[:, i].round(2).tolist(),
+            }
+        )
+        print(
+            f"{spec:32s} {np.median(tok_s[:, i]):8.1f} tok/s   per-round ratio to "
+            f"{args.config[0]}: median {med:.3f} (IQR {q1:.3f}-{q3:.3f})"
+        )
+    if args.out:
+        report = {
+            "tool": "dspark_sglang.bench.ab",
+            "command": "python -m dspark_sglang.bench.ab " + shlex.join(argv or sys.argv[1:]),
+            "concurrency": c,
+            "rounds": args.rounds,
+            "output_len": args.output_len,
+            "configs": rows,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
