@@ -224,8 +224,8 @@ class DraftConfig:
     min_user_tps: float = 0.0  # SLA floor on each request's expected tokens/s (0 = off)
     # lagged mode: plan the next step's K on a worker thread while this step runs. None = where
     # that hides anything: CUDA, whose kernels run while the host plans. A CPU forward is the host
-    # itself: the thread only contends with it (in-process, c = 1 and 8, the plain steps ran
-    # 0.9-2.1 ms slower with the thread than without, docs/scheduler.md).
+    # itself: the thread only contends with it (in-process, c = 1-8, steps ran 0-2.1 ms slower
+    # with the thread than without over two A/B runs, docs/scheduler.md).
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
@@ -394,9 +394,8 @@ class ServeConfig:
     heartbeat_timeout_s: float = 3.0
     max_retries: int = 2  # re-dispatches of a request that has not emitted a token yet
     max_message_bytes: int = 1 << 30  # larger ZMQ messages are dropped by the receiver
-    step_log_dir: str | None = (
-        None  # each worker appends its StepRecords to DIR/<worker>.steps.jsonl
-    )
+    # each worker appends its StepRecords to DIR/<worker>.steps.jsonl (--step-log)
+    step_log_dir: str | None = None
 
     def __post_init__(self) -> None:
         addrs = (self.api_addr, *self.prefill_addrs, *self.decode_addrs)
