@@ -227,6 +227,10 @@ class DraftConfig:
     # itself: the thread only contends with it (in-process, c = 1-8, steps ran 0-2.1 ms slower
     # with the thread than without over two A/B runs, docs/scheduler.md).
     overlap: bool | None = None
+    # lagged mode: draft only the requests the step's K admits, pricing the drafter by its rows.
+    # Where the drafter's cost grows with its batch (CPU; a compute-bound GPU drafter at large R)
+    # a few confident requests can pay for drafting when the whole batch does not.
+    selective_draft: bool = True
 
     def __post_init__(self) -> None:
         if self.min_user_tps < 0:

@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lagged mode: plan each step's K after the previous step, not during it",
     )
     a(
+        "--disable-selective-draft",
+        dest="selective_draft",
+        action="store_false",
+        help="lagged mode: when K > 0, draft every request (default: only those K admits, "
+        "the drafter priced by its rows)",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -198,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             startup_profile_seconds=args.startup_profile_seconds,
             min_user_tps=args.min_user_tps,
             overlap=args.overlap,
+            selective_draft=args.selective_draft,
         ),
         seed=args.seed,
         parallel=parallel,

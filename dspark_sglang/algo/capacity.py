@@ -465,11 +465,20 @@ class CapacityModel:
         r = np.asarray(num_reqs, np.float64)
         return np.zeros_like(r) if self.host is None else self.host(r)
 
-    def predict(self, num_reqs: int, num_tokens: int, ctx: int = 0, drafted: bool = False) -> float:
+    def predict(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        ctx: int = 0,
+        drafted: bool = False,
+        draft_rows: int | None = None,
+    ) -> float:
         """Seconds of one step: a forward of B = num_tokens tokens for R requests (DESIGN §4),
-        the host's work, and the drafter when this step ran it."""
+        the host's work, and the drafter when this step ran it (`drafted`: on all R rows;
+        `draft_rows`: on that many)."""
         t = float(self.step_seconds(num_reqs, num_tokens, ctx)) + float(self.host_seconds(num_reqs))
-        return t + float(self.draft_seconds(num_reqs)) if drafted else t
+        rows = num_reqs if drafted else draft_rows
+        return t + float(self.draft_seconds(rows)) if rows else t
 
     def sps_array(
         self, num_reqs: int, max_tokens: int, ctx: int = 0, draft: str = "never"

@@ -220,6 +220,39 @@ def lagged_global_k(
     return n_forced + int(np.argmax(theta[n_forced:]))
 
 
+def row_priced_sps(
+    lagged_surv: np.ndarray,
+    sps: np.ndarray,
+    draft_seconds: np.ndarray,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+) -> np.ndarray:
+    """The SPS table a lagged K search reads when only the requests K admits are drafted: entry
+    R + K prices the forward (`sps`, without the drafter) plus `draft_seconds[n]`, n the requests
+    holding a draft among the first K path entries by lagged survival (n = 0 at K = 0: no drafter).
+    `draft_seconds` is indexed by drafted rows 0..R. Entries below R stay as `sps` has them; the
+    table ends where the path does.
+
+    A drafter whose price grows with its rows (a CPU one: a fixed part plus most of a plain row's
+    forward per drafted row) makes "draft everyone" the wrong alternative to "draft no one" at a
+    large R: a few confident requests pay where the whole batch does not."""
+    num_reqs = lagged_surv.shape[0]
+    out = np.array(sps, np.float64, copy=True)
+    n = out.size - num_reqs  # K = 0 .. n - 1 fit the table
+    if n <= 0:
+        return out
+    neg, forced = _candidates(lagged_surv, min_len, max_len)
+    order = _path_order(neg, forced)[: n - 1]
+    # Flat index i = (position - 1)·R + request, and a request's entries come in position order,
+    # so its first entry on the path is its position-1 entry.
+    rows = np.concatenate([[0], np.cumsum(order < num_reqs)])
+    k = np.arange(rows.size)
+    seconds = 1.0 / out[num_reqs + k] + np.asarray(draft_seconds, np.float64)[rows]
+    out[num_reqs + k] = 1.0 / seconds
+    return out[: num_reqs + rows.size]  # past the path no K is admissible
+
+
 def assign_top_k(
     live_surv: np.ndarray,
     k: int,

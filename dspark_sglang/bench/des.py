@@ -344,12 +344,19 @@ class ServingPolicy(Policy):
     """A `--schedule-mode` exactly as the engine runs it: its VerifyPlanner (survival history,
     acceptance prior for fresh requests), overlap off so the lag is exactly L steps."""
 
-    def __init__(self, mode: str, gamma: int, capacity: CapacityModel, min_user_tps: float) -> None:
+    def __init__(
+        self,
+        mode: str,
+        gamma: int,
+        capacity: CapacityModel,
+        min_user_tps: float,
+        selective: bool = True,
+    ) -> None:
         self.name = mode
         m = parse_schedule_mode(mode)
         needs = m.name in ("sync", "lagged")
         self.planner = VerifyPlanner(
-            m, gamma, capacity if needs else None, None, False, min_user_tps, False
+            m, gamma, capacity if needs else None, None, False, min_user_tps, False, selective
         )
 
     def plan(
@@ -367,22 +374,25 @@ class ServingPolicy(Policy):
             if k == 0 and not self.planner.should_probe():
                 self.ran_drafter = False
                 return self.planner.skip(ids, max_len, ctx).lengths
-            if k == 0:  # a probe drafts a few rows only
+            # a probe drafts a few rows only, a selective K > 0 step the rows K admits
+            if k == 0:
                 keep = self.planner.probe_rows(len(ids))
-                if keep.size < len(ids):
-                    self.drafted_rows = int(keep.size)
-                    sub_ctx = round(ctx * keep.size / len(ids))  # the subset's share of the context
-                    sub = self.planner.plan(
-                        [ids[i] for i in keep],
-                        _logit(conf[keep]),
-                        max_len[keep],
-                        sub_ctx,
-                        k,
-                        (ids, max_len, ctx),
-                    ).lengths
-                    lens = np.zeros(len(ids), np.int64)
-                    lens[keep] = sub
-                    return lens
+            else:
+                keep = self.planner.draft_rows(ids, k, max_len)
+            if keep is not None and keep.size < len(ids):
+                self.drafted_rows = int(keep.size)
+                sub_ctx = round(ctx * keep.size / len(ids))  # the subset's share of the context
+                sub = self.planner.plan(
+                    [ids[i] for i in keep],
+                    _logit(conf[keep]),
+                    max_len[keep],
+                    sub_ctx,
+                    k,
+                    (ids, max_len, ctx),
+                ).lengths
+                lens = np.zeros(len(ids), np.int64)
+                lens[keep] = sub
+                return lens
         return self.planner.plan(ids, _logit(conf), max_len, ctx, k).lengths
 
     def observe(self, lengths: np.ndarray, accepted: np.ndarray, ids: list[int]) -> None:

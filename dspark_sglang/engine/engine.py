@@ -188,7 +188,14 @@ class LLMEngine:
             sts = np.asarray(json.loads(sts_file.read_text())["temperatures"], dtype=np.float64)
         overlap = cfg.overlap if cfg.overlap is not None else self.runner.device.startswith("cuda")
         return VerifyPlanner(
-            mode, self.gamma, capacity, sts, cfg.live_capacity, cfg.min_user_tps, overlap
+            mode,
+            self.gamma,
+            capacity,
+            sts,
+            cfg.live_capacity,
+            cfg.min_user_tps,
+            overlap,
+            cfg.selective_draft,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:
@@ -384,13 +391,17 @@ class LLMEngine:
                 # nothing will be verified: a plain decode step, without the drafter
                 self._last_plan = self.planner.skip(ids, max_len, ctx)
                 return None, {}
-            if k == 0:  # a probe: draft and verify a few rows only; the rest decode plainly
-                keep = self.planner.probe_rows(len(ready))
-                whole = (ids, max_len, ctx)  # a probe even when it drafts every row
-                if keep.size < len(ready):
-                    ready = [ready[i] for i in keep]
-                    ids, max_len = [ids[i] for i in keep], max_len[keep]
-                    ctx = sum(s.num_tokens for s in ready)
+            # A probe drafts and verifies a few rows only, a selective K > 0 step the rows K
+            # admits (None: all); the rest decode plainly.
+            if k == 0:  # a probe even when it drafts every row
+                keep, whole = self.planner.probe_rows(len(ready)), (ids, max_len, ctx)
+            else:
+                keep = self.planner.draft_rows(ids, k, max_len)
+                whole = None if keep is None else (ids, max_len, ctx)
+            if keep is not None and keep.size < len(ready):
+                ready = [ready[i] for i in keep]
+                ids, max_len = [ids[i] for i in keep], max_len[keep]
+                ctx = sum(s.num_tokens for s in ready)
         t0 = time.perf_counter()
         self._flush_draft_context()
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)

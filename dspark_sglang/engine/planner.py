@@ -30,6 +30,7 @@ from dspark_sglang.algo.verify_budget import (
     expected_throughput,
     lagged_global_k,
     plan_verify_lengths,
+    row_priced_sps,
 )
 from dspark_sglang.types import StepRecord
 
@@ -89,6 +90,7 @@ class Plan:
     predicted_theta: float
     fallback: str
     probe: bool = False  # a lagged K = 0 probe: drafted a few rows (all, in a small batch)
+    draft_rows: int = -1  # rows the drafter ran on (-1: every row, or none on a skipped step)
     resumed: bool = False  # lagged: the drafter's first run after steps without it
 
 
@@ -102,8 +104,11 @@ class VerifyPlanner:
         live: bool,
         min_user_tps: float,
         overlap: bool,
+        selective: bool = False,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
+        # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
+        self.selective = selective and mode.name == "lagged" and capacity is not None
         self.capacity = capacity
         self.estimator = LiveEstimator(capacity) if capacity is not None and live else None
         self.min_user_tps = min_user_tps
@@ -114,6 +119,7 @@ class VerifyPlanner:
         self.fallbacks: dict[str, int] = {}
         self._fallback = ""  # why this step's K fell back ("" = it did not)
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
+        self._draft_cache: tuple[int, np.ndarray, CapacityModel] | None = None
         self._since_draft = 0  # lagged: steps since the drafter last ran
         self._probe_every = PROBE_MIN
         self._drafting_run = 0  # consecutive steps with K > 0
@@ -144,11 +150,36 @@ class VerifyPlanner:
         cache = self._sps_cache  # steps of one R and context bucket share it
         if cache is not None and cache[0] == (r, ctx) and cache[2] is self.capacity:
             return cache[1]
-        # lagged: B = R skips the drafter; every other mode drafted before planning (sunk cost)
-        draft = "when_verifying" if self.plans_before_drafting else "always"
+        # lagged: B = R skips the drafter; every other mode drafted before planning (sunk cost).
+        # Selective lagged prices the drafter by its rows along the K path (_draft_for).
+        if self.selective:
+            draft = "never"
+        else:
+            draft = "when_verifying" if self.plans_before_drafting else "always"
         sps = self.capacity.sps_array(r, r * (self.gamma + 1), ctx, draft=draft)
         self._sps_cache = ((r, ctx), sps, self.capacity)
         return sps
+
+    def _draft_for(self, r: int) -> np.ndarray | None:
+        """Selective lagged: drafter seconds by rows drafted, 0..R (0 rows: no drafter)."""
+        if not self.selective or self.capacity is None:
+            return None
+        cache, capacity = self._draft_cache, self.capacity
+        if cache is not None and cache[0] == r and cache[2] is capacity:
+            return cache[1]
+        d = np.asarray(capacity.draft_seconds(np.arange(r + 1)), np.float64).copy()
+        d[0] = 0.0
+        self._draft_cache = (r, d, capacity)
+        return d
+
+    def draft_rows(self, ids: list[int], k: int, max_len: np.ndarray) -> np.ndarray | None:
+        """Selective lagged, K > 0: indices of the rows to draft, those the K top lagged
+        survivals admit (the ones K was priced for); None = draft every row."""
+        if not self.selective or k <= 0:
+            return None
+        lagged = self.history.lagged(np.asarray(ids), self.mode.lag, self.prior)
+        keep = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len))
+        return None if keep.size == len(ids) else keep
 
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
@@ -227,7 +258,8 @@ class VerifyPlanner:
     ) -> Plan:
         """Verify lengths for this step's drafts; lagged mode takes the K `budget` returned.
         `batch` = (ids, max_len, ctx) of every decode row when the drafts cover only some of
-        them (a probe): the next step's K is planned for the whole batch."""
+        them (a probe, or a selective K > 0 step): the next step's K is planned for the whole
+        batch."""
         r = len(ids)
         if conf_logits is not None:
             raw = sts_confidences(conf_logits, self.sts)
@@ -264,7 +296,15 @@ class VerifyPlanner:
             lens = plan_verify_lengths(
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
             )
-        self.history = self.history.push(np.asarray(ids), surv)
+        pushed_ids, pushed = np.asarray(ids), surv
+        if batch is not None and k is not None and k > 0:  # selective: carry the rest forward
+            rest = np.setdiff1d(np.asarray(batch[0], np.int64), pushed_ids)
+            if rest.size:
+                base = self.prior.survival
+                old = self.history.lagged(rest, 1, self.prior)  # newest snapshot, else prior
+                pushed_ids = np.concatenate([pushed_ids, rest])
+                pushed = np.concatenate([surv, base + (old - base) * STALE_DECAY])
+        self.history = self.history.push(pushed_ids, pushed)
         self._skip_src = None
         if batch is None:
             self._submit_next(np.asarray(ids), sps, max_len)
@@ -272,17 +312,18 @@ class VerifyPlanner:
             all_ids, all_max, all_ctx = batch
             self._submit_next(np.asarray(all_ids), self._sps(len(all_ids), all_ctx), all_max)
         self._count_fallback()
-        if batch is not None and self.capacity is not None:  # a probe: price the whole step
+        if batch is not None and self.capacity is not None:  # a row subset: price the whole step
             rr, cc = len(batch[0]), batch[2]
             tokens = rr + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
-            predicted = self.capacity.predict(rr, rr + int(lens.sum()), cc, drafted=True)
+            predicted = self.capacity.predict(rr, rr + int(lens.sum()), cc, draft_rows=r)
             return Plan(
                 lens,
                 int(lens.sum()),
                 predicted,
                 tokens / predicted,
                 self._fallback,
-                probe=True,
+                probe=not k,
+                draft_rows=r,
                 resumed=resumed,
             )
         b = r + int(lens.sum())
@@ -325,8 +366,10 @@ class VerifyPlanner:
             self._next_k, self._next_key = _done(k), None
             return
         # next step's K, while this step's forward runs
-        hist, prior = self.history, self.prior
-        self._next_k = self._pool.submit(self._k_from_history, hist, ids, prior, sps, max_len)
+        hist, prior, draft = self.history, self.prior, self._draft_for(ids.size)
+        self._next_k = self._pool.submit(
+            self._k_from_history, hist, ids, prior, sps, max_len, draft
+        )
         self._next_key = key
 
     def _count_fallback(self) -> None:
@@ -340,8 +383,11 @@ class VerifyPlanner:
         prior: AcceptancePrior,
         sps: np.ndarray,
         max_len: np.ndarray,
+        draft: np.ndarray | None = None,
     ) -> int:
         lagged = history.lagged(ids, self.mode.lag, prior)
+        if draft is not None:
+            sps = row_priced_sps(lagged, sps, draft, max_len=max_len)
         return lagged_global_k(lagged, sps, max_len=max_len, min_user_tps=self.min_user_tps)
 
     def _lagged_k(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[int, str]:
@@ -355,7 +401,8 @@ class VerifyPlanner:
         key = self._k_key(ids, sps, max_len)
         k = self._memo_k(key)
         if k is None:
-            k = self._k_from_history(self.history, ids, self.prior, sps, max_len)
+            draft = self._draft_for(ids.size)
+            k = self._k_from_history(self.history, ids, self.prior, sps, max_len, draft)
             self._k_memo = (key, k)
         return k, ("no_overlap_plan" if self._pool is not None else "")
 

@@ -573,3 +573,60 @@ def test_decision_time_at_r512_gamma7() -> None:
             policy(inputs[i % 4])
             times.append(time.perf_counter() - t0)
         assert np.median(times) < 2e-3
+
+
+# -- row-priced drafter (selective lagged drafting) ------------------------------------------
+
+
+def test_row_priced_sps_adds_the_drafter_of_the_requests_the_path_has_reached() -> None:
+    a = np.array([[0.9, 0.5], [0.3, 0.1]])  # path: (0,1) 0.9, (0,2) 0.5, (1,1) 0.3, (1,2) 0.1
+    sps = np.array([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # 1 s forwards
+    out = vb.row_priced_sps(a, sps, np.array([0.0, 0.5, 1.0]))
+    # B = R + K for K = 0..4: rows drafted 0, 1, 1, 2, 2; the table ends with the path
+    np.testing.assert_allclose(out, [0.0, 1.0, 1.0, 1 / 1.5, 1 / 1.5, 0.5, 0.5])
+    capped = vb.row_priced_sps(a, sps, np.array([0.0, 0.5, 1.0]), max_len=np.array([1, 2]))
+    np.testing.assert_allclose(capped, [0.0, 1.0, 1.0, 1 / 1.5, 0.5, 0.5])  # (0,2) is off
+
+
+@FAST
+@given(instances(), st.floats(0.0, 2.0), st.floats(0.0, 0.5))
+def test_row_priced_sps_with_a_flat_drafter_is_the_when_verifying_table(
+    inst: dict, fixed: float, per_row: float
+) -> None:
+    """A drafter priced the same for any row count is the all-rows price, so the K search
+    agrees with the whole-batch lagged table; one that grows with its rows never prices a K
+    above that, so the best Θ can only rise."""
+    a, sps = survival(inst["conf"]), inst["sps"]
+    kw = {"min_len": inst["min_len"], "max_len": inst["max_len"]}
+    r = a.shape[0]
+    if sps.size <= r:
+        return
+    whole = sps.copy()
+    whole[r + 1 :] = 1.0 / (1.0 / sps[r + 1 :] + fixed + per_row * r)
+    flat = np.full(r + 1, fixed + per_row * r)
+    flat[0] = 0.0
+    got = vb.row_priced_sps(a, sps, flat, **kw)
+    np.testing.assert_allclose(got, whole[: got.size])
+    assert vb.lagged_global_k(a, got, **kw) == vb.lagged_global_k(a, whole, **kw)
+    rows = fixed + per_row * np.arange(r + 1)
+    rows[0] = 0.0
+    sel = vb.row_priced_sps(a, sps, rows, **kw)
+    assert np.all(sel[r:] >= got[r:] - 1e-12)
+    if kw["min_len"] is None:
+        best = lambda t: max(vb._theta(r, -np.sort(-a.ravel()), t))
+        assert best(sel) >= best(got) - 1e-9
+
+
+def test_a_few_confident_requests_pay_for_a_drafter_priced_by_its_rows() -> None:
+    """One confident request among eight: drafting all eight does not pay for its tokens,
+    drafting it alone does, and the rows to draft are exactly the ones K admits."""
+    a = survival(np.array([[0.95] * 4] + [[0.05] * 4] * 7))
+    sps = np.concatenate([[0.0], np.full(8 * 5, 1.0 / 0.08)])  # 80 ms forwards, any B
+    draft = 0.005 + 0.01 * np.arange(9)  # 5 ms + 10 ms per drafted row
+    draft[0] = 0.0
+    whole = sps.copy()
+    whole[9:] = 1.0 / (0.08 + draft[8])
+    assert vb.lagged_global_k(a, whole) == 0
+    k = vb.lagged_global_k(a, vb.row_priced_sps(a, sps, draft))
+    assert k == 4
+    assert np.flatnonzero(vb.assign_top_k(a, k)).tolist() == [0]

@@ -183,3 +183,38 @@ def test_corrected_survival_reaches_sync_as_the_conditionals_it_is_the_product_o
     c = _conditionals(s)
     np.testing.assert_allclose(survival(c), s)
     assert c[0, 3:].tolist() == [0.0, 0.0] and np.all((c >= 0) & (c <= 1))
+
+
+def test_selective_lagged_drafts_the_rows_k_admits_and_carries_the_rest_forward() -> None:
+    """A drafter priced by its rows (5 ms + 20 ms per row, forwards 80 ms): with one confident
+    request among four, K pays for drafting that one alone; draft_rows names it, the step is
+    priced with one drafted row, and the others' survival is pushed again, aged toward the prior,
+    so the next K does not read them as fresh requests. Without selection K stays 0."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import STALE_DECAY, VerifyPlanner
+
+    draft = Curve((1.0, 64.0), (0.025, 1.285))
+    cap = CapacityModel(TableModel((1, 256), (0.08, 0.08)), draft=draft)
+    mode = parse_schedule_mode("lagged")
+    ids, max_len = [3, 5, 7, 9], np.array([4, 4, 4, 4])
+    logits = np.array([[4.0] * 4] + [[-4.0] * 4] * 3)  # request 3 confident, the rest not
+    got = {}
+    for selective in (False, True):
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, selective)
+        p.plan(ids, logits, max_len, 40, 0)  # a probe of every row, then one more step: lag 2
+        p.plan(ids, logits, max_len, 40, 0)
+        got[selective] = p.budget(ids, max_len, 40)
+        if selective:
+            k = got[True]
+            keep = p.draft_rows(ids, k, max_len)
+            assert keep is not None and keep.tolist() == [0]
+            before = p.history.lagged(np.array([5, 7, 9]), 1, p.prior)
+            plan = p.plan([3], logits[:1], max_len[:1], 10, k, (ids, max_len, 40))
+            assert not plan.probe and plan.draft_rows == 1 and plan.k == k
+            assert plan.predicted_seconds == cap.predict(4, 4 + k, 40, draft_rows=1)
+            base = p.prior.survival
+            after = p.history.lagged(np.array([5, 7, 9]), 1, p.prior)
+            np.testing.assert_allclose(after, base + (before - base) * STALE_DECAY)
+            assert p.draft_rows(ids, 0, max_len) is None
+    assert got[False] == 0 and got[True] == 4

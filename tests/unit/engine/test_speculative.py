@@ -333,6 +333,43 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
     spec.close()
 
 
+def test_selective_lagged_drafts_only_the_rows_the_planner_names(
+    pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A K > 0 step drafts the rows VerifyPlanner.draft_rows names (here: every other row) and
+    verifies only them, the rest decoding plainly in the same step: same greedy tokens, records
+    that name the drafted rows, and no such step counted as a probe."""
+    from dspark_sglang.engine.planner import VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    def every_other(self, ids, k, max_len):  # type: ignore[no-untyped-def]
+        return np.arange(0, len(ids), 2) if k > 0 and len(ids) > 1 else None
+
+    monkeypatch.setattr(VerifyPlanner, "draft_rows", every_other)
+    ps = prompts(6, seed=8)
+    base = LLM(str(pair[0]), num_blocks=256, page_size=4).generate(ps, GREEDY)
+    spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, num_blocks=256)  # a free drafter: K > 0
+    drafted: list[list[int]] = []
+    inner = spec.runner.draft
+
+    def spy(batch, temps, gens):  # type: ignore[no-untyped-def]
+        drafted.append(list(batch.seq_ids))
+        return inner(batch, temps, gens)
+
+    spec.runner.draft = spy  # type: ignore[method-assign]
+    recs: list[StepRecord] = []
+    spec.on_step = recs.append
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    ran = [r for r in recs if r.draft_seconds > 0.0]
+    assert [r.num_draft_reqs for r in ran] == [len(d) for d in drafted]
+    subset = [r for r in ran if r.num_decode_reqs > 1 and r.num_draft_reqs < r.num_decode_reqs]
+    assert subset and not any(r.probe for r in subset)
+    assert all(r.num_draft_reqs == -(-r.num_decode_reqs // 2) for r in subset)
+    assert all(0 < r.verify_budget_k <= r.num_draft_reqs * spec.gamma for r in subset)
+    spec.close()
+
+
 @pytest.mark.parametrize("scenario", ["never-pays", "probes-out", "free-drafter"])
 def test_lagged_k_memo_changes_no_decision(
     pair: tuple[Path, Path], tmp_path: Path, scenario: str, monkeypatch: pytest.MonkeyPatch

@@ -66,6 +66,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
         assert config_from_args(got).draft.overlap is want
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--enable-overlap-schedule", "--disable-overlap-schedule"])
+    assert cfg.draft.selective_draft  # lagged drafts only the rows K admits unless told not to
+    whole = build_parser().parse_args(["--model-path", str(model), "--disable-selective-draft"])
+    assert not config_from_args(whole).draft.selective_draft
 
 
 def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
