@@ -174,12 +174,15 @@ class VerifyPlanner:
 
     def draft_rows(self, ids: list[int], k: int, max_len: np.ndarray) -> np.ndarray | None:
         """Selective lagged, K > 0: indices of the rows to draft, those the K top lagged
-        survivals admit (the ones K was priced for); None = draft every row."""
-        if not self.selective or k <= 0:
+        survivals admit (the ones K was priced for); None = draft every row, also when that
+        costs no more (a drafter priced the same for any rows, or none): the live top-K then
+        picks among them all."""
+        draft = self._draft_for(len(ids))
+        if draft is None or k <= 0:
             return None
         lagged = self.history.lagged(np.asarray(ids), self.mode.lag, self.prior)
         keep = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len))
-        return None if keep.size == len(ids) else keep
+        return None if keep.size == 0 or draft[keep.size] >= draft[-1] else keep
 
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""

@@ -218,3 +218,9 @@ def test_selective_lagged_drafts_the_rows_k_admits_and_carries_the_rest_forward(
             np.testing.assert_allclose(after, base + (before - base) * STALE_DECAY)
             assert p.draft_rows(ids, 0, max_len) is None
     assert got[False] == 0 and got[True] == 4
+    # a drafter that costs the same for any rows (here: none) drafts them all, for the live top-K
+    free = VerifyPlanner(mode, 4, replace(cap, draft=None), None, False, 0.0, False, True)
+    free.plan(ids, logits, max_len, 40, 0)
+    free.plan(ids, logits, max_len, 40, 0)
+    k = free.budget(ids, max_len, 40)
+    assert k > 0 and free.draft_rows(ids, k, max_len) is None
