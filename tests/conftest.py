@@ -144,5 +144,23 @@ def write_drafter(
     return path
 
 
+CHATML = (
+    "{% for m in messages %}<x95>{{ m['role'] }}\n{{ m['content'] }}<x96>\n{% endfor %}"
+    "{% if add_generation_prompt %}<x95>assistant\n{% endif %}"
+)
+
+
+def write_model_pair(root: Path, chat: bool = False, **target: object) -> tuple[Path, Path]:
+    """A small MoE target with the character tokenizer (and the ChatML template when `chat`),
+    and a block-4 DSpark drafter for it: (target dir, drafter dir) under `root`."""
+    import json
+
+    path = write_hf_model(root / "t", moe=True, **target)
+    write_char_tokenizer(path)
+    if chat:
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    return path, write_drafter(root / "d", path, block_size=4)
+
+
 # The test models are tiny: one thread is faster than two and immune to a busy machine.
 torch.set_num_threads(1)

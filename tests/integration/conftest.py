@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,12 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import write_char_tokenizer, write_drafter, write_hf_model
+from tests.conftest import write_model_pair
 
-CHATML = (
-    "{% for m in messages %}<x95>{{ m['role'] }}\n{{ m['content'] }}<x96>\n{% endfor %}"
-    "{% if add_generation_prompt %}<x95>assistant\n{% endif %}"
-)
 READY_TIMEOUT_S = 90
 
 
@@ -30,10 +25,7 @@ READY_TIMEOUT_S = 90
 def model_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("serve_model")
     # A long context, so a stream can outlive a kill -9 on a fast machine.
-    target = write_hf_model(root / "t", moe=True, max_position_embeddings=4096)
-    write_char_tokenizer(target)
-    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
-    return target, write_drafter(root / "d", target, block_size=4)
+    return write_model_pair(root, chat=True, max_position_embeddings=4096)
 
 
 def free_port() -> int:

@@ -8,21 +8,12 @@ from pathlib import Path
 import pytest
 
 from dspark_sglang.eval import main
-from tests.conftest import write_char_tokenizer, write_drafter, write_hf_model
-
-CHATML = (
-    "{% for m in messages %}<x95>{{ m['role'] }}\n{{ m['content'] }}<x96>\n{% endfor %}"
-    "{% if add_generation_prompt %}<x95>assistant\n{% endif %}"
-)
+from tests.conftest import write_model_pair
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("evalpair")
-    target = write_hf_model(root / "t", moe=True)
-    write_char_tokenizer(target)
-    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
-    return target, write_drafter(root / "d", target, block_size=4)
+    return write_model_pair(tmp_path_factory.mktemp("evalpair"), chat=True)
 
 
 def test_eval_json_on_chat_dataset(

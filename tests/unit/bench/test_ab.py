@@ -9,7 +9,7 @@ import pytest
 
 from dspark_sglang.bench import ab
 from dspark_sglang.config import ConfigError
-from tests.conftest import write_char_tokenizer, write_drafter, write_hf_model
+from tests.conftest import write_model_pair
 
 
 def test_parse_config_reads_mode_and_typed_options() -> None:
@@ -24,10 +24,7 @@ def test_parse_config_reads_mode_and_typed_options() -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("abpair")
-    target = write_hf_model(root / "t", moe=True)
-    write_char_tokenizer(target)
-    return target, write_drafter(root / "d", target, block_size=4)
+    return write_model_pair(tmp_path_factory.mktemp("abpair"))
 
 
 def test_ab_runs_configs_side_by_side(
