@@ -17,6 +17,7 @@ from dspark_sglang.engine.speculative import (
     _verify_sampled,
     verify_step,
 )
+from dspark_sglang.types import StepRecord
 from tests.conftest import VOCAB, hf_reference, write_drafter, write_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -261,6 +262,21 @@ def lagged_on_fixed_curve(
     )
 
 
+def watch_drafts(spec: LLM) -> tuple[list[list[int]], list[StepRecord]]:
+    """(request ids of each drafter call, every step's record), filled as `spec` runs."""
+    drafted: list[list[int]] = []
+    recs: list[StepRecord] = []
+    inner = spec.runner.draft
+
+    def spy(batch, temps, gens):  # type: ignore[no-untyped-def]
+        drafted.append(list(batch.seq_ids))
+        return inner(batch, temps, gens)
+
+    spec.runner.draft = spy  # type: ignore[method-assign]
+    spec.on_step = recs.append
+    return drafted, recs
+
+
 @pytest.mark.parametrize("draft_s", [1.0, 0.0])
 def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     pair: tuple[Path, Path], tmp_path: Path, draft_s: float
@@ -268,7 +284,6 @@ def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     """A drafter that costs 100 forwards per step never pays: lagged K is 0 every step and the
     drafter runs only on the sparse probing steps (plain decode, same tokens). A free drafter is
     used as before."""
-    from dspark_sglang.types import StepRecord
 
     ps = prompts(4, seed=3)
     base = LLM(str(pair[0]), num_blocks=128, page_size=4).generate(ps, GREEDY)
@@ -301,22 +316,12 @@ def test_lagged_probe_drafts_a_few_rows_in_rotation(
     """With more requests than PROBE_ROWS, a probe drafts (and verifies) PROBE_ROWS of them,
     a different few each time, and the rest decode plainly in the same step."""
     from dspark_sglang.engine.planner import PROBE_ROWS
-    from dspark_sglang.types import StepRecord
 
     ps = prompts(3 * PROBE_ROWS, seed=4)
     long = SamplingParams(temperature=0.0, max_tokens=40)  # probes at steps 8 and 24
     base = LLM(str(pair[0]), num_blocks=512, page_size=4).generate(ps, long)
     spec = lagged_on_fixed_curve(pair, tmp_path, 1.0, num_blocks=512)
-    drafted: list[list[int]] = []
-    inner = spec.runner.draft
-
-    def spy(batch, temps, gens):
-        drafted.append(list(batch.seq_ids))
-        return inner(batch, temps, gens)
-
-    spec.runner.draft = spy  # type: ignore[method-assign]
-    recs: list[StepRecord] = []
-    spec.on_step = recs.append
+    drafted, recs = watch_drafts(spec)
     outs = spec.generate(ps, long)
     assert [o.output_ids for o in outs] == [o.output_ids for o in base]
     assert drafted and all(len(d) <= PROBE_ROWS for d in drafted)
@@ -340,7 +345,6 @@ def test_selective_lagged_drafts_only_the_rows_the_planner_names(
     verifies only them, the rest decoding plainly in the same step: same greedy tokens, records
     that name the drafted rows, and no such step counted as a probe."""
     from dspark_sglang.engine.planner import VerifyPlanner
-    from dspark_sglang.types import StepRecord
 
     def every_other(self, ids, k, max_len):  # type: ignore[no-untyped-def]
         return np.arange(0, len(ids), 2) if k > 0 and len(ids) > 1 else None
@@ -349,16 +353,7 @@ def test_selective_lagged_drafts_only_the_rows_the_planner_names(
     ps = prompts(6, seed=8)
     base = LLM(str(pair[0]), num_blocks=256, page_size=4).generate(ps, GREEDY)
     spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, num_blocks=256)  # a free drafter: K > 0
-    drafted: list[list[int]] = []
-    inner = spec.runner.draft
-
-    def spy(batch, temps, gens):  # type: ignore[no-untyped-def]
-        drafted.append(list(batch.seq_ids))
-        return inner(batch, temps, gens)
-
-    spec.runner.draft = spy  # type: ignore[method-assign]
-    recs: list[StepRecord] = []
-    spec.on_step = recs.append
+    drafted, recs = watch_drafts(spec)
     outs = spec.generate(ps, GREEDY)
     assert [o.output_ids for o in outs] == [o.output_ids for o in base]
     ran = [r for r in recs if r.draft_seconds > 0.0]
@@ -379,7 +374,6 @@ def test_lagged_k_memo_changes_no_decision(
     of a planner that recomputes K each step (including when a probe moves K off 0), and the
     memo does skip most recomputations in K = 0 stretches."""
     from dspark_sglang.engine.planner import VerifyPlanner
-    from dspark_sglang.types import StepRecord
 
     target, _ = pair
     ps = prompts(3, seed=5)
@@ -426,7 +420,6 @@ def test_lagged_overlap_thread_plans_the_k_inline_planning_would(
     from the step before) and stays lossless; its K may differ from inline planning's only in
     that the thread cannot see the acceptance of the step it overlaps. The default on the CPU
     plans exactly as overlap off does."""
-    from dspark_sglang.types import StepRecord
 
     target, _ = pair
     ps = prompts(3, seed=5)
