@@ -36,8 +36,10 @@ SERVING_MODES = ("lagged", "sync", "verify-all", "fixed", "threshold", "mtp1")
 def _per_request(x: np.ndarray | int | None, num_reqs: int, default: int) -> np.ndarray:
     if x is None:
         return np.full(num_reqs, default, dtype=np.int64)
-    out = np.broadcast_to(np.asarray(x, dtype=np.int64), (num_reqs,))
-    if np.any(out < 0):
+    out = np.asarray(x, dtype=np.int64)
+    if out.shape != (num_reqs,):  # a scalar for every request (broadcast_to costs µs per call)
+        out = np.broadcast_to(out, (num_reqs,))
+    if out.size and out.min() < 0:
         raise ValueError("per-request verify lengths must be >= 0")
     return out
 
@@ -238,19 +240,69 @@ def row_priced_sps(
     forward per drafted row) makes "draft everyone" the wrong alternative to "draft no one" at a
     large R: a few confident requests pay where the whole batch does not."""
     num_reqs = lagged_surv.shape[0]
-    out = np.array(sps, np.float64, copy=True)
-    n = out.size - num_reqs  # K = 0 .. n - 1 fit the table
-    if n <= 0:
-        return out
+    if sps.size <= num_reqs:
+        return np.array(sps, np.float64, copy=True)
     neg, forced = _candidates(lagged_surv, min_len, max_len)
-    order = _path_order(neg, forced)[: n - 1]
+    order = _path_order(neg, forced)[: sps.size - num_reqs - 1]
+    return _row_priced(sps, num_reqs, order, draft_seconds)
+
+
+def _row_priced(
+    sps: np.ndarray, num_reqs: int, order: np.ndarray, draft_seconds: np.ndarray
+) -> np.ndarray:
+    """row_priced_sps along a path already cut to the table (K = 0 .. order.size)."""
+    out = np.array(sps[: num_reqs + order.size + 1], np.float64, copy=True)
     # Flat index i = (position - 1)·R + request, and a request's entries come in position order,
     # so its first entry on the path is its position-1 entry.
     rows = np.concatenate([[0], np.cumsum(order < num_reqs)])
-    k = np.arange(rows.size)
-    seconds = 1.0 / out[num_reqs + k] + np.asarray(draft_seconds, np.float64)[rows]
-    out[num_reqs + k] = 1.0 / seconds
-    return out[: num_reqs + rows.size]  # past the path no K is admissible
+    seconds = 1.0 / out[num_reqs:] + np.asarray(draft_seconds, np.float64)[rows]
+    out[num_reqs:] = 1.0 / seconds
+    return out  # past the path no K is admissible
+
+
+def selective_k(
+    lagged_surv: np.ndarray,
+    sps: np.ndarray,
+    draft_seconds: np.ndarray,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+    min_user_tps: float = 0.0,
+) -> tuple[int, np.ndarray]:
+    """`lagged_global_k` over `row_priced_sps`, and the requests that K drafts (sorted indices:
+    those with an entry among the first K path candidates, which is what `assign_top_k` admits
+    under the same survival), from one pass over the candidates. The same K as the two calls; the
+    lagged planner runs this every drafting step on the host, where each pass is a few dozen
+    small numpy calls."""
+    num_reqs = lagged_surv.shape[0]
+    if sps.size <= num_reqs:  # not even K = 0 fits the table
+        k = lagged_global_k(lagged_surv, sps, min_len=min_len, max_len=max_len)
+        return k, _admitted_rows(lagged_surv, k, min_len, max_len)
+    neg, forced = _candidates(lagged_surv, min_len, max_len)
+    order = _path_order(neg, forced)[: sps.size - num_reqs - 1]
+    priced = _row_priced(sps, num_reqs, order, draft_seconds)
+    vals = lagged_surv.T.ravel()[order]  # forced first in flat order, then by survival
+    theta = _theta(num_reqs, vals, priced)
+    n_forced = 0 if forced is None else int(np.count_nonzero(forced))
+    if theta.size <= n_forced:  # the forced prefix alone overruns the table
+        return n_forced, _admitted_rows(lagged_surv, n_forced, min_len, max_len)
+    if min_user_tps > 0.0:
+        rate = _min_user_rate(lagged_surv, order, priced, theta.size)[n_forced:]
+        meets = rate >= min_user_tps
+        if not meets.any():
+            k = n_forced + int(np.argmax(rate))
+        else:
+            k = n_forced + int(np.argmax(np.where(meets, theta[n_forced:], -np.inf)))
+    else:
+        k = n_forced + int(np.argmax(theta[n_forced:]))
+    first = order[:k]
+    return k, np.sort(first[first < num_reqs])
+
+
+def _admitted_rows(
+    surv: np.ndarray, k: int, min_len: np.ndarray | int | None, max_len: np.ndarray | int | None
+) -> np.ndarray:
+    return np.flatnonzero(assign_top_k(surv, k, min_len=min_len, max_len=max_len))
 
 
 def assign_top_k(

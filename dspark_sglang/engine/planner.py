@@ -30,7 +30,7 @@ from dspark_sglang.algo.verify_budget import (
     expected_throughput,
     lagged_global_k,
     plan_verify_lengths,
-    row_priced_sps,
+    selective_k,
 )
 from dspark_sglang.types import StepRecord
 
@@ -76,8 +76,11 @@ def _conditionals(surv: np.ndarray) -> np.ndarray:
     return np.divide(surv, prev, out=np.zeros_like(surv), where=prev > 0)
 
 
-def _done(k: int) -> Future[int]:
-    f: Future[int] = Future()
+Rows = np.ndarray | None  # selective lagged: the requests a K drafts (None: not selective)
+
+
+def _done(k: tuple[int, Rows]) -> Future[tuple[int, Rows]]:
+    f: Future[tuple[int, Rows]] = Future()
     f.set_result(k)
     return f
 
@@ -115,7 +118,9 @@ class VerifyPlanner:
         self.prior = AcceptancePrior.uniform(gamma)
         self.history = SurvivalHistory(depth=max(mode.lag, 1))
         self._pool = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
-        self._next_k: Future[int] | None = None
+        self._next_k: Future[tuple[int, Rows]] | None = None
+        # the rows the last budget()'s K drafts, for draft_rows: (ids, K, rows)
+        self._k_rows: tuple[bytes, int, np.ndarray] | None = None
         self.fallbacks: dict[str, int] = {}
         self._fallback = ""  # why this step's K fell back ("" = it did not)
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
@@ -129,14 +134,17 @@ class VerifyPlanner:
         self.correction = ConfidenceCorrection.identity(gamma)
         self.surv_correction = SurvivalCorrection.identity(gamma)
         self._corrects = mode.name in ("sync", "lagged")
-        self._raw_conf: dict[int, np.ndarray] = {}  # this step's raw confidence row per request
+        # this step's drafts for observe_acceptance: (request ids, raw confidences, their
+        # first-stage survival, the ConfidenceCorrection that survival was taken under)
+        self._drafted: tuple[list[int], np.ndarray, np.ndarray, ConfidenceCorrection] | None = None
         # (request ids, raw confidences) of the last step that drafted; skipped steps re-push it
         self._last_raw: tuple[np.ndarray, np.ndarray] | None = None
         # "prior" once skip() pushed the empty (all-prior) snapshot: later skips repeat it
         self._skip_src: str | None = None
         # the last K and what it was planned from (identities + bytes): the same inputs, same K
-        self._k_memo: tuple[tuple[object, ...], int] | None = None
+        self._k_memo: tuple[tuple[object, ...], tuple[int, Rows]] | None = None
         self._next_key: tuple[object, ...] | None = None  # the inputs _next_k is computed from
+        self._next_for = (b"", b"")  # (ids, max_len) bytes _next_k's rows index into
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -180,14 +188,20 @@ class VerifyPlanner:
         draft = self._draft_for(len(ids))
         if draft is None or k <= 0:
             return None
-        lagged = self.history.lagged(np.asarray(ids), self.mode.lag, self.prior)
-        keep = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len))
+        memo, key = self._k_rows, np.asarray(ids, np.int64).tobytes()
+        if memo is not None and memo[0] == key and memo[1] == k:  # budget() found them with K
+            keep = memo[2]
+        else:
+            lagged = self.history.lagged(np.asarray(ids), self.mode.lag, self.prior)
+            keep = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len))
         return None if keep.size == 0 or draft[keep.size] >= draft[-1] else keep
 
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
         assert self.plans_before_drafting
-        k, self._fallback = self._lagged_k(np.asarray(ids), self._sps(len(ids), ctx), max_len)
+        arr = np.asarray(ids, np.int64)
+        k, rows, self._fallback = self._lagged_k(arr, self._sps(len(ids), ctx), max_len)
+        self._k_rows = None if rows is None else (arr.tobytes(), k, rows)
         return k
 
     def should_probe(self) -> bool:
@@ -266,9 +280,13 @@ class VerifyPlanner:
         r = len(ids)
         if conf_logits is not None:
             raw = sts_confidences(conf_logits, self.sts)
-            self._raw_conf = dict(zip(ids, raw, strict=True))
             self._last_raw = (np.asarray(ids), raw)
-            surv = self._survival(raw)
+            if self._corrects:
+                first = survival(self.correction.apply(raw))
+                self._drafted = (list(ids), raw, first, self.correction)
+                surv = self.surv_correction.apply(first)
+            else:
+                surv = survival(raw)
         else:
             raw = surv = np.ones((r, self.gamma))
         sps = self._sps(r, ctx)
@@ -352,7 +370,7 @@ class VerifyPlanner:
         ml = np.asarray(max_len, np.int64)
         return (snap, self.prior, sps, np.asarray(ids, np.int64).tobytes(), ml.tobytes())
 
-    def _memo_k(self, key: tuple[object, ...]) -> int | None:
+    def _memo_k(self, key: tuple[object, ...]) -> tuple[int, Rows] | None:
         memo = self._k_memo
         if memo is None:
             return None
@@ -364,6 +382,7 @@ class VerifyPlanner:
         if self._pool is None:
             return
         key = self._k_key(ids, sps, max_len)
+        self._next_for = (key[3], key[4])
         k = self._memo_k(key)
         if k is not None:  # nothing K depends on changed: no worker round trip
             self._next_k, self._next_key = _done(k), None
@@ -387,27 +406,33 @@ class VerifyPlanner:
         sps: np.ndarray,
         max_len: np.ndarray,
         draft: np.ndarray | None = None,
-    ) -> int:
+    ) -> tuple[int, Rows]:
+        """K from the lagged survival, and with a row-priced drafter the rows that K drafts."""
         lagged = history.lagged(ids, self.mode.lag, prior)
+        tps = self.min_user_tps
         if draft is not None:
-            sps = row_priced_sps(lagged, sps, draft, max_len=max_len)
-        return lagged_global_k(lagged, sps, max_len=max_len, min_user_tps=self.min_user_tps)
+            return selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
+        return lagged_global_k(lagged, sps, max_len=max_len, min_user_tps=tps), None
 
-    def _lagged_k(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[int, str]:
+    def _lagged_k(
+        self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray
+    ) -> tuple[int, Rows, str]:
         future, self._next_k = self._next_k, None
         if future is not None:
-            k = future.result()
+            k, rows = future.result()
             if self._next_key is not None:
-                self._k_memo, self._next_key = (self._next_key, k), None
-            return k, ""
+                self._k_memo, self._next_key = (self._next_key, (k, rows)), None
+            # planned for last step's batch: its rows name this one's only if the batch is the same
+            same = self._next_for == (ids.tobytes(), np.asarray(max_len, np.int64).tobytes())
+            return k, rows if same else None, ""
         # No plan from the previous step (first step, or overlap off): the same rule inline.
         key = self._k_key(ids, sps, max_len)
-        k = self._memo_k(key)
-        if k is None:
+        got = self._memo_k(key)
+        if got is None:
             draft = self._draft_for(ids.size)
-            k = self._k_from_history(self.history, ids, self.prior, sps, max_len, draft)
-            self._k_memo = (key, k)
-        return k, ("no_overlap_plan" if self._pool is not None else "")
+            got = self._k_from_history(self.history, ids, self.prior, sps, max_len, draft)
+            self._k_memo = (key, got)
+        return got[0], got[1], ("no_overlap_plan" if self._pool is not None else "")
 
     def observe(
         self,
@@ -430,14 +455,22 @@ class VerifyPlanner:
         if not verify_lens.any():  # a K = 0 step verified nothing: nothing to learn
             return
         self.prior = self.prior.observe(verify_lens, accepted)
-        rows = [i for i, sid in enumerate(ids or ()) if sid in self._raw_conf]
-        if self._corrects and rows:
-            assert ids is not None
-            conf = np.stack([self._raw_conf[ids[i]] for i in rows])
-            lens, acc = verify_lens[rows], accepted[rows]
-            first = survival(self.correction.apply(conf))  # what the second stage was fed
-            self.surv_correction = self.surv_correction.observe(first, lens, acc)
-            self.correction = self.correction.observe(conf, lens, acc)
+        drafted = self._drafted
+        if not self._corrects or drafted is None or not ids:
+            return
+        planned, conf, first, corr = drafted
+        lens, acc = verify_lens, accepted
+        if list(ids) != planned:  # only some drafted rows verified, or in another order
+            at = {sid: i for i, sid in enumerate(planned)}
+            rows = [i for i, sid in enumerate(ids) if sid in at]
+            if not rows:
+                return
+            sel = [at[ids[i]] for i in rows]
+            conf, first, lens, acc = conf[sel], first[sel], verify_lens[rows], accepted[rows]
+        if corr is not self.correction:  # what the second stage is fed under today's first
+            first = survival(self.correction.apply(conf))
+        self.surv_correction = self.surv_correction.observe(first, lens, acc)
+        self.correction = self.correction.observe(conf, lens, acc)
 
     def close(self) -> None:
         if self._pool is not None:

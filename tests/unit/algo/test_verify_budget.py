@@ -617,6 +617,23 @@ def test_row_priced_sps_with_a_flat_drafter_is_the_when_verifying_table(
         assert best(sel) >= best(got) - 1e-9
 
 
+@FAST
+@given(instances(), st.floats(0.0, 0.5), st.sampled_from([0.0, 3.0, 1e6]))
+def test_selective_k_is_the_row_priced_search_and_the_rows_it_admits(
+    inst: dict, per_row: float, tps: float
+) -> None:
+    """The planner's one-pass search returns what the two public calls return: K of
+    lagged_global_k over row_priced_sps, and the requests assign_top_k admits at that K."""
+    a, sps = survival(inst["conf"]), inst["sps"]
+    kw = {"min_len": inst["min_len"], "max_len": inst["max_len"]}
+    rows = 0.01 + per_row * np.arange(a.shape[0] + 1)
+    rows[0] = 0.0
+    k, keep = vb.selective_k(a, sps, rows, min_user_tps=tps, **kw)
+    priced = vb.row_priced_sps(a, sps, rows, **kw)
+    assert k == vb.lagged_global_k(a, priced, min_user_tps=tps, **kw)
+    assert keep.tolist() == np.flatnonzero(vb.assign_top_k(a, k, **kw)).tolist()
+
+
 def test_a_few_confident_requests_pay_for_a_drafter_priced_by_its_rows() -> None:
     """One confident request among eight: drafting all eight does not pay for its tokens,
     drafting it alone does, and the rows to draft are exactly the ones K admits."""

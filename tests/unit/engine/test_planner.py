@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -224,3 +225,39 @@ def test_selective_lagged_drafts_the_rows_k_admits_and_carries_the_rest_forward(
     free.plan(ids, logits, max_len, 40, 0)
     k = free.budget(ids, max_len, 40)
     assert k > 0 and free.draft_rows(ids, k, max_len) is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_selective_rows_index_the_batch_the_step_drafts(overlap: bool) -> None:
+    """draft_rows names rows of the batch passed to it, the ones its K admits under the lagged
+    survival, also when K was planned (on the overlap thread) for last step's batch and a
+    request has left since."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.survival import AcceptancePrior
+    from dspark_sglang.algo.verify_budget import assign_top_k, parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    draft = Curve((1.0, 64.0), (0.025, 1.285))
+    cap = CapacityModel(TableModel((1, 256), (0.08, 0.08)), draft=draft)
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, overlap, True)
+    p.prior = AcceptancePrior.uniform(4, rate=0.05)
+    logits = np.array([[-4.0] * 4, [4.0] * 4, [4.0] * 4, [-4.0] * 4])  # 5 and 7 confident
+    ids, max_len = [3, 5, 7, 9], np.array([4, 4, 4, 4])
+    p.plan(ids, logits, max_len, 40, 0)  # two probes of every row: a lag-2 snapshot
+    p.plan(ids, logits, max_len, 40, 0)
+    for batch in ([3, 5, 7, 9], [5, 7, 9]):  # request 3 leaves at the second step
+        rows = [ids.index(i) for i in batch]
+        k = p.budget(batch, max_len[rows], 40)
+        keep = p.draft_rows(batch, k, max_len[rows])
+        lagged = p.history.lagged(np.array(batch), 2, p.prior)
+        want = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len[rows]))
+        assert k > 0 and keep is not None and keep.tolist() == want.tolist()
+        p.plan(
+            [batch[i] for i in keep],
+            logits[rows][keep],
+            max_len[rows][keep],
+            40,
+            k,
+            (batch, max_len[rows], 40),
+        )
+    p.close()
