@@ -31,6 +31,7 @@ profile: $(STAMP)
 # Benchmarks write under docs/results/ (docs/bench.md, docs/results.md); not part of `test`.
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.scheduler
+	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.planner
 	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.offline
 	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.sweep $(BENCH_ARGS)
 

@@ -1,0 +1,51 @@
+"""The planner host-time benchmark drives VerifyPlanner like the engine and reports by phase."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_sglang.bench import planner
+
+PROFILE = str(Path(__file__).parents[3] / "engine_profiles" / "cpu-tiny-moe.yaml")
+PHASES = ("budget", "rows", "skip", "plan", "observe")
+
+
+def test_json_reports_each_mode_and_batch_by_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--json", "--steps", "60", "--reqs", "1,4", "--gamma", "5", "--profile", PROFILE]
+    assert planner.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert {(r["mode"], r["R"]) for r in rows} == {
+        (m, r) for m in ("lagged", "sync", "verify-all") for r in (1, 4)
+    }
+    for r in rows:
+        phases = [r[f"{p}_us"] for p in PHASES]
+        assert min(phases) >= 0 and r["mean_us"] > 0
+        assert sum(phases) == pytest.approx(r["mean_us"], abs=0.3)  # phases add up (rounding)
+        if r["mode"] == "verify-all":  # drafts and verifies everything, never plans ahead
+            assert r["drafting_steps"] == 60 and r["verify_tokens_per_step"] == 5 * r["R"]
+            assert r["budget_us"] == r["rows_us"] == r["skip_us"] == 0
+        if r["mode"] == "lagged":  # its K is planned before drafting, every step
+            assert r["budget_us"] > 0
+            assert r["drafting_steps"] < 60 or r["skip_us"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--reqs", "0"], "--reqs"),
+        (["--reqs", "a,b"], "--reqs"),
+        (["--modes", "often"], "--modes"),
+        (["--modes", ","], "--modes"),
+        (["--profile", "/nonexistent.yaml"], "--profile"),
+        (["--steps", "0"], "--steps"),
+    ],
+)
+def test_bad_flags_are_errors_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--profile", PROFILE, *argv])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
