@@ -36,6 +36,23 @@ def _logits(rng: np.random.Generator, num_reqs: int, gamma: int) -> np.ndarray:
     return np.log(p / (1.0 - p))
 
 
+def _record(
+    step: int, num_reqs: int, tokens: int, ctx: int, seconds: float, **drafted: float
+) -> StepRecord:
+    """A decode step's record as the engine writes it (no prefill), timed as the model prices it."""
+    return StepRecord(
+        step=step,
+        num_reqs=num_reqs,
+        num_tokens=tokens,
+        num_prefill_tokens=0,
+        num_decode_reqs=num_reqs,
+        kv_tokens=ctx,
+        step_seconds=float(seconds),
+        verify_budget_k=tokens - num_reqs,
+        **drafted,  # type: ignore[arg-type]
+    )
+
+
 def run_mode(
     mode: str, num_reqs: int, steps: int, gamma: int, profile: Path, seed: int
 ) -> dict[str, object]:
@@ -62,16 +79,7 @@ def run_mode(
                 t = time.perf_counter_ns()
                 plan = p.skip(ids, max_len, ctx)
                 took["skip"] = time.perf_counter_ns() - t
-                rec = StepRecord(
-                    step=s,
-                    num_reqs=num_reqs,
-                    num_tokens=num_reqs,
-                    num_prefill_tokens=0,
-                    num_decode_reqs=num_reqs,
-                    kv_tokens=ctx,
-                    step_seconds=float(cap.predict(num_reqs, num_reqs, ctx, drafted=False)),
-                    verify_budget_k=0,
-                )
+                rec = _record(s, num_reqs, num_reqs, ctx, cap.predict(num_reqs, num_reqs, ctx))
                 none = np.zeros(0, np.int64)
                 t = time.perf_counter_ns()
                 p.observe(none, none, rec, [])
@@ -98,15 +106,12 @@ def run_mode(
         drafted += 1
         verified += int(lens.sum())
         tokens = num_reqs + int(lens.sum())
-        rec = StepRecord(
-            step=s,
-            num_reqs=num_reqs,
-            num_tokens=tokens,
-            num_prefill_tokens=0,
-            num_decode_reqs=num_reqs,
-            kv_tokens=ctx,
-            step_seconds=float(cap.predict(num_reqs, tokens, ctx, draft_rows=int(sel.size))),
-            verify_budget_k=int(lens.sum()),
+        rec = _record(
+            s,
+            num_reqs,
+            tokens,
+            ctx,
+            cap.predict(num_reqs, tokens, ctx, draft_rows=int(sel.size)),
             draft_seconds=float(cap.draft_seconds(int(sel.size))),
             num_draft_reqs=int(sel.size),
             num_accepted=int(acc.sum()),

@@ -79,6 +79,11 @@ def _conditionals(surv: np.ndarray) -> np.ndarray:
 Rows = np.ndarray | None  # selective lagged: the requests a K drafts (None: not selective)
 
 
+def _batch_key(ids: object, max_len: object) -> tuple[bytes, bytes]:
+    """A batch by value: its request ids and their verify caps."""
+    return np.asarray(ids, np.int64).tobytes(), np.asarray(max_len, np.int64).tobytes()
+
+
 def _done(k: tuple[int, Rows]) -> Future[tuple[int, Rows]]:
     f: Future[tuple[int, Rows]] = Future()
     f.set_result(k)
@@ -119,8 +124,8 @@ class VerifyPlanner:
         self.history = SurvivalHistory(depth=max(mode.lag, 1))
         self._pool = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
         self._next_k: Future[tuple[int, Rows]] | None = None
-        # the rows the last budget()'s K drafts, for draft_rows: (ids, K, rows)
-        self._k_rows: tuple[bytes, int, np.ndarray] | None = None
+        # the rows the last budget()'s K drafts, for draft_rows: ((ids, caps) bytes, K, rows)
+        self._k_rows: tuple[tuple[bytes, bytes], int, np.ndarray] | None = None
         self.fallbacks: dict[str, int] = {}
         self._fallback = ""  # why this step's K fell back ("" = it did not)
         self._sps_cache: tuple[tuple[int, int], np.ndarray, CapacityModel] | None = None
@@ -188,7 +193,7 @@ class VerifyPlanner:
         draft = self._draft_for(len(ids))
         if draft is None or k <= 0:
             return None
-        memo, key = self._k_rows, np.asarray(ids, np.int64).tobytes()
+        memo, key = self._k_rows, _batch_key(ids, max_len)
         if memo is not None and memo[0] == key and memo[1] == k:  # budget() found them with K
             keep = memo[2]
         else:
@@ -199,9 +204,8 @@ class VerifyPlanner:
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
         assert self.plans_before_drafting
-        arr = np.asarray(ids, np.int64)
-        k, rows, self._fallback = self._lagged_k(arr, self._sps(len(ids), ctx), max_len)
-        self._k_rows = None if rows is None else (arr.tobytes(), k, rows)
+        k, rows, self._fallback = self._lagged_k(np.asarray(ids), self._sps(len(ids), ctx), max_len)
+        self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
         return k
 
     def should_probe(self) -> bool:
@@ -423,7 +427,7 @@ class VerifyPlanner:
             if self._next_key is not None:
                 self._k_memo, self._next_key = (self._next_key, (k, rows)), None
             # planned for last step's batch: its rows name this one's only if the batch is the same
-            same = self._next_for == (ids.tobytes(), np.asarray(max_len, np.int64).tobytes())
+            same = self._next_for == _batch_key(ids, max_len)
             return k, rows if same else None, ""
         # No plan from the previous step (first step, or overlap off): the same rule inline.
         key = self._k_key(ids, sps, max_len)
