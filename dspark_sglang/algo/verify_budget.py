@@ -212,14 +212,21 @@ def lagged_global_k(
     theta, _, n_forced, _ = _path_values(lagged_surv, neg, forced, sps)
     if theta.size <= n_forced:
         return n_forced
+    rate = None
     if min_user_tps > 0.0:
-        order = _path_order(neg, forced)
-        rate = _min_user_rate(lagged_surv, order, sps, theta.size)[n_forced:]
-        meets = rate >= min_user_tps
-        if not meets.any():
-            return n_forced + int(np.argmax(rate))
-        return n_forced + int(np.argmax(np.where(meets, theta[n_forced:], -np.inf)))
-    return n_forced + int(np.argmax(theta[n_forced:]))
+        rate = _min_user_rate(lagged_surv, _path_order(neg, forced), sps, theta.size)
+    return _best_k(theta, n_forced, rate, min_user_tps)
+
+
+def _best_k(theta: np.ndarray, n_forced: int, rate: np.ndarray | None, floor: float) -> int:
+    """argmax of Θ over K >= n_forced (ties: smallest K); with the per-user rates along the path,
+    over the K that meet the floor, or the K with the best floor if none does."""
+    if rate is None:
+        return n_forced + int(np.argmax(theta[n_forced:]))
+    meets = rate[n_forced:] >= floor
+    if not meets.any():
+        return n_forced + int(np.argmax(rate[n_forced:]))
+    return n_forced + int(np.argmax(np.where(meets, theta[n_forced:], -np.inf)))
 
 
 def row_priced_sps(
@@ -286,15 +293,10 @@ def selective_k(
     n_forced = 0 if forced is None else int(np.count_nonzero(forced))
     if theta.size <= n_forced:  # the forced prefix alone overruns the table
         return n_forced, _admitted_rows(lagged_surv, n_forced, min_len, max_len)
+    rate = None
     if min_user_tps > 0.0:
-        rate = _min_user_rate(lagged_surv, order, priced, theta.size)[n_forced:]
-        meets = rate >= min_user_tps
-        if not meets.any():
-            k = n_forced + int(np.argmax(rate))
-        else:
-            k = n_forced + int(np.argmax(np.where(meets, theta[n_forced:], -np.inf)))
-    else:
-        k = n_forced + int(np.argmax(theta[n_forced:]))
+        rate = _min_user_rate(lagged_surv, order, priced, theta.size)
+    k = _best_k(theta, n_forced, rate, min_user_tps)
     first = order[:k]
     return k, np.sort(first[first < num_reqs])
 
