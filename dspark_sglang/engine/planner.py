@@ -353,7 +353,14 @@ class VerifyPlanner:
             )
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
-        theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
+        if self.selective and self.capacity is not None:
+            # Selective lagged prices SPS without the drafter (row_priced_sps adds it per row),
+            # so expected_throughput would read a forward-only Θ; the step ran the drafter.
+            theta = (
+                r + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
+            ) / predicted
+        else:
+            theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
         return Plan(lens, int(lens.sum()), predicted, theta, self._fallback, resumed=resumed)
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:

@@ -261,3 +261,34 @@ def test_selective_rows_index_the_batch_the_step_drafts(overlap: bool) -> None:
             (batch, max_len[rows], 40),
         )
     p.close()
+
+
+@pytest.mark.parametrize("mode", ["lagged", "sync"])
+def test_predicted_theta_is_the_expected_tokens_over_the_predicted_step(mode: str) -> None:
+    """A step's predicted Θ is its expected committed tokens over its predicted seconds, the
+    drafter included: selective lagged prices SPS without the drafter (row_priced_sps adds it
+    per row), and its step records read a forward-only Θ, about 1.5x the realised rate on the
+    CPU engine (c = 8 and 64) where sync's was within 7 %."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.survival import AcceptancePrior, sts_confidences, survival
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    draft = Curve((1.0, 64.0), (0.01, 0.2))
+    cap = CapacityModel(TableModel((1, 256), (0.02, 0.06)), draft=draft)
+    p = VerifyPlanner(parse_schedule_mode(mode), 4, cap, None, False, 0.0, False, True)
+    p.prior = AcceptancePrior.uniform(4, rate=0.9)
+    logits = np.array([[3.0, 2.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0], [4.0, 3.0, -1.0, -2.0]])
+    ids, max_len = [1, 2, 3], np.array([4, 4, 4])
+    k = p.budget(ids, max_len, 30) if p.plans_before_drafting else None
+    assert p.draft_rows(ids, k, max_len) is None if k else True  # every row drafted
+    plan = p.plan(ids, logits, max_len, 30, k)
+    assert plan.k > 0
+    surv = survival(sts_confidences(logits, None))
+    admitted = np.arange(4)[None, :] < plan.lengths[:, None]
+    tokens = 3 + float(surv[admitted].sum())
+    seconds = cap.predict(3, 3 + plan.k, 30, drafted=True)
+    assert plan.predicted_seconds == pytest.approx(seconds)
+    assert seconds > cap.predict(3, 3 + plan.k, 30)  # the drafter is in it
+    assert plan.predicted_theta == pytest.approx(tokens / seconds, rel=1e-9)
+    p.close()
