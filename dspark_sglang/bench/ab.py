@@ -5,6 +5,14 @@ round gives every engine the same 2c prompts (greedy, `ignore_eos`, a fixed outp
 engines one after another, the order flipping each round, so a shared machine's drift hits all
 of them alike. Reports each configuration's median output tok/s and, per round, its tok/s over the
 first configuration's (median and IQR): on a noisy host the paired ratio is the number to read.
+Each engine's step records split its time: decode steps that ran the drafter and those that did
+not (count, median ms), and the host's milliseconds per step outside the timed step (the
+planner's learning, output collection).
+
+`--prompt-format text` sends the first turns as raw completion text, as `bench.sweep` does by
+default (the bundled drafter accepts about twice as many tokens there as on chat-templated
+prompts, so the two formats put a policy in different regimes); `chat` (default) renders the
+model's chat template.
 
 A configuration is a schedule mode (or `no-spec`) with engine options, e.g. `lagged`,
 `lagged,overlap=true`, `fixed:3,live_capacity=false`.
@@ -22,10 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
+from dspark_sglang.bench.serving import text_prompts
 from dspark_sglang.config import ConfigError
 from dspark_sglang.engine.engine import LLM
 from dspark_sglang.eval import HELDOUT_PROMPTS, load_prompts
-from dspark_sglang.types import SamplingParams
+from dspark_sglang.types import SamplingParams, StepRecord
 
 
 def _value(text: str) -> object:
@@ -63,6 +72,23 @@ def make_engine(model: str, drafter: str, mode: str, opts: dict, concurrency: in
     )
 
 
+def step_split(recs: list[StepRecord], wall: float) -> dict[str, float]:
+    """Decode-only steps with and without the drafter (count, median ms) and the host's ms per
+    step outside the timed steps."""
+    decode = [r for r in recs if r.num_prefill_tokens == 0 and r.num_decode_reqs > 0]
+    drafting = [r.step_seconds for r in decode if r.draft_seconds > 0.0]
+    plain = [r.step_seconds for r in decode if r.draft_seconds == 0.0]
+    inside = sum(r.step_seconds for r in recs)
+    return {
+        "steps": len(recs),
+        "drafting_steps": len(drafting),
+        "plain_steps": len(plain),
+        "drafting_step_ms": 1e3 * float(np.median(drafting)) if drafting else float("nan"),
+        "plain_step_ms": 1e3 * float(np.median(plain)) if plain else float("nan"),
+        "outside_step_ms": 1e3 * (wall - inside) / len(recs) if recs else float("nan"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_sglang.bench.ab", description=__doc__)
     ap.add_argument("--config", action="append", required=True, metavar="MODE[,K=V...]")
@@ -72,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", default=str(bundled_target_dir()))
     ap.add_argument("--draft-model-path", default=str(ASSETS_DIR / "drafters" / "dspark"))
     ap.add_argument("--dataset", type=Path, default=HELDOUT_PROMPTS)
+    ap.add_argument("--prompt-format", choices=("chat", "text"), default="chat")
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     args = ap.parse_args(argv)
     if len(args.config) < 2:
@@ -81,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     c = args.concurrency
     try:
         configs = [parse_config(s) for s in args.config]
-        prompts = load_prompts(args.dataset, args.model_path, 4 * c)
+        if args.prompt_format == "text":
+            if not args.dataset.is_file():
+                raise ConfigError(f"--dataset {args.dataset} does not exist")
+            prompts = [p.prompt for p in text_prompts(args.dataset, args.output_len)][: 4 * c]
+        else:
+            prompts = load_prompts(args.dataset, args.model_path, 4 * c)
         engines = [make_engine(args.model_path, args.draft_model_path, m, o, c) for m, o in configs]
     except (ConfigError, TypeError) as e:  # TypeError: an option the engine does not take
         print(f"error: {e}", file=sys.stderr)
@@ -89,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for llm in engines:  # warm-up, excluded
         llm.generate(prompts[:c], sp)
+    recs: list[list[StepRecord]] = [[] for _ in engines]
+    for llm, rs in zip(engines, recs, strict=True):
+        llm.on_step = rs.append
+    wall = np.zeros(len(engines))
     tok_s = np.zeros((args.rounds, len(engines)))
     for r in range(args.rounds):
         batch = [prompts[(r * c + i) % len(prompts)] for i in range(2 * c)]
@@ -96,13 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         for i in order:
             t0 = time.perf_counter()
             outs = engines[i].generate(batch, sp)
-            tok_s[r, i] = sum(len(o.output_ids) for o in outs) / (time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            wall[i] += dt
+            tok_s[r, i] = sum(len(o.output_ids) for o in outs) / dt
     for llm in engines:
         llm.close()
     ratio = tok_s / tok_s[:, :1]
     rows = []
     for i, spec in enumerate(args.config):
         q1, med, q3 = np.quantile(ratio[:, i], [0.25, 0.5, 0.75])
+        split = step_split(recs[i], float(wall[i]))
         rows.append(
             {
                 "config": spec,
@@ -110,11 +149,16 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_median": float(med),
                 "ratio_iqr": [float(q1), float(q3)],
                 "tok_s_rounds": tok_s[:, i].round(2).tolist(),
+                **{k: None if v != v else v for k, v in split.items()},  # NaN: no such step
             }
         )
         print(
             f"{spec:32s} {np.median(tok_s[:, i]):8.1f} tok/s   per-round ratio to "
-            f"{args.config[0]}: median {med:.3f} (IQR {q1:.3f}-{q3:.3f})"
+            f"{args.config[0]}: median {med:.3f} (IQR {q1:.3f}-{q3:.3f})\n"
+            f"{'':32s} decode steps: {split['drafting_steps']} drafting "
+            f"({split['drafting_step_ms']:.2f} ms), {split['plain_steps']} plain "
+            f"({split['plain_step_ms']:.2f} ms); host outside steps "
+            f"{split['outside_step_ms']:.2f} ms/step"
         )
     if args.out:
         report = {
@@ -123,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": c,
             "rounds": args.rounds,
             "output_len": args.output_len,
+            "prompt_format": args.prompt_format,
             "configs": rows,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)

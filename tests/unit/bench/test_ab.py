@@ -44,6 +44,20 @@ def test_ab_runs_configs_side_by_side(
     assert first["ratio_median"] == 1.0 and len(second["tok_s_rounds"]) == 3
     assert all(x > 0 for x in second["tok_s_rounds"])
     assert "per-round ratio to no-spec" in capsys.readouterr().out
+    # the step split: no-spec never drafts; verify-all drafts every decode step
+    assert first["drafting_steps"] == 0 and first["plain_steps"] > 0
+    assert first["drafting_step_ms"] is None and first["plain_step_ms"] > 0
+    assert second["drafting_steps"] > 0 and second["drafting_step_ms"] > 0
+    assert second["steps"] >= second["drafting_steps"] + second["plain_steps"]
+    assert first["outside_step_ms"] >= 0 and rep["prompt_format"] == "chat"
+    # raw completion text, as bench.sweep sends it
+    text = ["--prompt-format", "text", "--config", "no-spec", "--config", "lagged"]
+    assert ab.main([*common, *text, "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["prompt_format"] == "text" and len(rep["configs"]) == 2
+    missing = ["--dataset", str(tmp_path / "none.jsonl"), "--prompt-format", "text"]
+    assert ab.main([*common, *missing, "--config", "no-spec", "--config", "lagged"]) == 2
+    assert "--dataset" in capsys.readouterr().err
     # an option the engine does not take is a clear error, not a traceback
     assert ab.main([*common, "--config", "no-spec", "--config", "verify-all,bogus=1"]) == 2
     assert "bogus" in capsys.readouterr().err
