@@ -391,7 +391,17 @@ class LiveEstimator:
         )
 
     def _host_curve(self) -> Curve | None:
-        return self._at_level(self._host, self._ewma_curve(self._host, self._base.host))
+        """The host term as `_host_at` reads it. Without a prior host curve its knots are only the
+        R of the plain steps seen, and a Curve continues its last segment's slope: a lagged engine
+        that had decoded plainly at R = 1-3 only (2.2-2.8 ms) priced the host of a drafting step
+        at R = 63 at 36-91 ms (served, c = 64, 2026-12-02; a plain step there has 11 ms of host
+        work), every step at that load 25-55 % dear. Held flat past the largest R seen instead:
+        under-priced by the host's growth until plain steps at that R teach it."""
+        curve = self._at_level(self._host, self._ewma_curve(self._host, self._base.host))
+        if self._base.host is None and curve is not None and len(curve.knots) > 1:
+            last = curve.knots[-1]
+            curve = Curve((*curve.knots, last + 1.0), (*curve.values, curve.values[-1]))
+        return curve
 
     def _at_level(self, table: dict[int, tuple[float, float]], curve: Curve | None) -> Curve | None:
         """A learned term in seconds at today's level (the prior's as it is, where none was)."""

@@ -762,3 +762,24 @@ def test_a_drift_alarm_moves_the_draft_term_with_the_forward() -> None:
     assert est.drift_events >= 1
     assert float(est.model.draft_seconds(8)) == pytest.approx(0.008, rel=0.1)
     assert float(est.model.draft_seconds(4)) == pytest.approx(0.004, rel=0.15)
+
+
+def test_a_learned_host_term_is_flat_past_the_largest_r_seen() -> None:
+    """Plain steps at R = 1, 2, 3 only, their host work 2.0, 2.1, 2.8 ms: the published host
+    term keeps those inside the range and holds 2.8 ms past it. A Curve continues its last
+    segment (0.7 ms per request), which priced the host at R = 64 at 45 ms: a served lagged
+    engine that had decoded plainly at low R only priced its c = 64 drafting steps 25-55 % dear."""
+    host = {1: 0.0020, 2: 0.0021, 3: 0.0028}
+    est = LiveEstimator(TRUTH)
+    for t in range(240):
+        r = 1 + t % 3
+        fwd = float(TRUTH.predict(r, r, r * 800))
+        y = fwd + host[r]
+        est.observe(StepRecord(t, r, r, 0, r, r * 800, y, forward_seconds=fwd))
+    m = est.model
+    assert TRUTH.host is None and m.host is not None
+    for r, sec in host.items():
+        assert float(m.host_seconds(r)) == pytest.approx(sec, rel=0.02)
+    for r in (4, 16, 64):
+        assert float(m.host_seconds(r)) == pytest.approx(host[3], rel=0.02)
+        assert m.host_seconds(np.array([r]))[0] == pytest.approx(host[3], rel=0.02)
