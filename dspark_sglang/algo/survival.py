@@ -283,12 +283,19 @@ class SurvivalHistory:
     def lagged(self, request_ids: np.ndarray, lag: int, prior: AcceptancePrior) -> np.ndarray:
         """Survival [R, γ] for the current requests as published `lag` steps ago; a request absent
         from that snapshot (fresh, or no snapshot yet) gets the prior's survival row."""
+        return self.lagged_with_hits(request_ids, lag, prior)[0]
+
+    def lagged_with_hits(
+        self, request_ids: np.ndarray, lag: int, prior: AcceptancePrior
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`lagged` and which rows the snapshot held ([R] bool; False: the row is the prior's)."""
         if not 1 <= lag <= self.depth:
             raise ValueError(f"lag must be in [1, depth={self.depth}], got {lag}")
         ids = np.asarray(request_ids, dtype=np.int64)
         out = np.broadcast_to(prior.survival, (ids.shape[0], prior.gamma)).copy()
+        hit = np.zeros(ids.shape[0], bool)
         if len(self.snapshots) < lag:
-            return out
+            return out, hit
         old_ids, old = self.snapshots[-lag]
         if old.shape[1] != prior.gamma:
             raise ValueError(f"history gamma {old.shape[1]} != prior gamma {prior.gamma}")
@@ -296,4 +303,22 @@ class SurvivalHistory:
             pos = np.minimum(np.searchsorted(old_ids, ids), old_ids.size - 1)
             hit = old_ids[pos] == ids
             out[hit] = old[pos[hit]]
-        return out
+        return out, hit
+
+
+def survival_pool(recent: np.ndarray, rows: np.ndarray, size: int) -> np.ndarray:
+    """The last `size` survival rows seen: `recent` (a previous pool, any order) then `rows`."""
+    both = np.concatenate([recent, np.asarray(rows, np.float64)])[-size:]
+    both.setflags(write=False)
+    return both
+
+
+def stratified_rows(pool: np.ndarray, n: int) -> np.ndarray:
+    """n survival rows standing for n requests whose own survival is unknown: the pool's rows at
+    the quantiles (i + 1/2) / n of their expected accepted length. Their mean is the pool's, and
+    so is their spread, which a single mean row (the prior) lacks: the live top-K picks the best
+    drafts among the rows drafted, and over a spread-out batch that is worth more than K spread
+    evenly over identical rows (E[top-K] >= top-K of the mean)."""
+    order = np.argsort(pool.sum(axis=1), kind="stable")
+    at = ((np.arange(n) + 0.5) * pool.shape[0] / n).astype(np.int64)
+    return pool[order[at]]

@@ -281,10 +281,27 @@ def selective_k(
     under the same survival), from one pass over the candidates. The same K as the two calls; the
     lagged planner runs this every drafting step on the host, where each pass is a few dozen
     small numpy calls."""
+    k, rows, _ = selective_k_theta(
+        lagged_surv, sps, draft_seconds, min_len=min_len, max_len=max_len, min_user_tps=min_user_tps
+    )
+    return k, rows
+
+
+def selective_k_theta(
+    lagged_surv: np.ndarray,
+    sps: np.ndarray,
+    draft_seconds: np.ndarray,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+    min_user_tps: float = 0.0,
+) -> tuple[int, np.ndarray, float]:
+    """`selective_k` and the predicted Θ at its K (-inf where the table holds no admissible K):
+    what a caller weighing two ways of drafting compares."""
     num_reqs = lagged_surv.shape[0]
     if sps.size <= num_reqs:  # not even K = 0 fits the table
         k = lagged_global_k(lagged_surv, sps, min_len=min_len, max_len=max_len)
-        return k, _admitted_rows(lagged_surv, k, min_len, max_len)
+        return k, _admitted_rows(lagged_surv, k, min_len, max_len), -np.inf
     neg, forced = _candidates(lagged_surv, min_len, max_len)
     order = _path_order(neg, forced)[: sps.size - num_reqs - 1]
     priced = _row_priced(sps, num_reqs, order, draft_seconds)
@@ -292,13 +309,13 @@ def selective_k(
     theta = _theta(num_reqs, vals, priced)
     n_forced = 0 if forced is None else int(np.count_nonzero(forced))
     if theta.size <= n_forced:  # the forced prefix alone overruns the table
-        return n_forced, _admitted_rows(lagged_surv, n_forced, min_len, max_len)
+        return n_forced, _admitted_rows(lagged_surv, n_forced, min_len, max_len), -np.inf
     rate = None
     if min_user_tps > 0.0:
         rate = _min_user_rate(lagged_surv, order, priced, theta.size)
     k = _best_k(theta, n_forced, rate, min_user_tps)
     first = order[:k]
-    return k, np.sort(first[first < num_reqs])
+    return k, np.sort(first[first < num_reqs]), float(theta[k])
 
 
 def _admitted_rows(

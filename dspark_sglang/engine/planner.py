@@ -21,8 +21,10 @@ from dspark_sglang.algo.survival import (
     ConfidenceCorrection,
     SurvivalCorrection,
     SurvivalHistory,
+    stratified_rows,
     sts_confidences,
     survival,
+    survival_pool,
 )
 from dspark_sglang.algo.verify_budget import (
     ScheduleMode,
@@ -30,7 +32,7 @@ from dspark_sglang.algo.verify_budget import (
     expected_throughput,
     lagged_global_k,
     plan_verify_lengths,
-    selective_k,
+    selective_k_theta,
 )
 from dspark_sglang.types import StepRecord
 
@@ -59,6 +61,13 @@ STALE_DECAY, STALE_FLOOR = 0.8, 0.05
 # again. A drop from c = 64, where drafting does not pay and the gap grew to PROBE_MAX, to c = 4
 # otherwise waited up to 256 steps (eight 128-token requests at c = 4) to learn that it pays now.
 LOAD_SHIFT = 2
+# Lagged K for requests with no survival of their own (fresh, or stale after skipped steps) reads
+# stratified rows of the last POOL_ROWS survival rows drafted without selection (every row of a
+# step, or a probe's rotation), once POOL_MIN are in, instead of the prior's one mean row for all
+# of them: K = 0 at full load made every row the prior, and top-K over identical rows undervalued
+# drafting the batch (CPU engine, c = 64: priced 567 against 620 tok/s plain, while the steps that
+# did draft every row realised 727 against 642 with the live top-K).
+POOL_ROWS, POOL_MIN = 256, 16
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -122,7 +131,7 @@ class VerifyPlanner:
         self.min_user_tps = min_user_tps
         self.prior = AcceptancePrior.uniform(gamma)
         self.history = SurvivalHistory(depth=max(mode.lag, 1))
-        self._pool = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
+        self._worker = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
         self._next_k: Future[tuple[int, Rows]] | None = None
         # the rows the last budget()'s K drafts, for draft_rows: ((ids, caps) bytes, K, rows)
         self._k_rows: tuple[tuple[bytes, bytes], int, np.ndarray] | None = None
@@ -150,6 +159,8 @@ class VerifyPlanner:
         self._k_memo: tuple[tuple[object, ...], tuple[int, Rows]] | None = None
         self._next_key: tuple[object, ...] | None = None  # the inputs _next_k is computed from
         self._next_for = (b"", b"")  # (ids, max_len) bytes _next_k's rows index into
+        # lagged: recent survival rows drafted without selection (POOL_ROWS; read-only array)
+        self._pool = survival_pool(np.empty((0, gamma)), np.empty((0, gamma)), POOL_ROWS)
 
     @property
     def plans_before_drafting(self) -> bool:
@@ -321,14 +332,17 @@ class VerifyPlanner:
             lens = plan_verify_lengths(
                 self.mode, conf, sps, max_len=max_len, min_user_tps=self.min_user_tps
             )
+        if self.plans_before_drafting and conf_logits is not None and (batch is None or not k):
+            self._pool = survival_pool(self._pool, surv, POOL_ROWS)  # no selection behind them
         pushed_ids, pushed = np.asarray(ids), surv
         if batch is not None and k is not None and k > 0:  # selective: carry the rest forward
             rest = np.setdiff1d(np.asarray(batch[0], np.int64), pushed_ids)
-            if rest.size:
+            # rows the newest snapshot lacks stay absent: K reads them as unknown (the pool)
+            old, hit = self.history.lagged_with_hits(rest, 1, self.prior)
+            if hit.any():
                 base = self.prior.survival
-                old = self.history.lagged(rest, 1, self.prior)  # newest snapshot, else prior
-                pushed_ids = np.concatenate([pushed_ids, rest])
-                pushed = np.concatenate([surv, base + (old - base) * STALE_DECAY])
+                pushed_ids = np.concatenate([pushed_ids, rest[hit]])
+                pushed = np.concatenate([surv, base + (old[hit] - base) * STALE_DECAY])
         self.history = self.history.push(pushed_ids, pushed)
         self._skip_src = None
         if batch is None:
@@ -379,29 +393,30 @@ class VerifyPlanner:
         snaps = self.history.snapshots
         snap = snaps[-lag] if len(snaps) >= lag else None
         ml = np.asarray(max_len, np.int64)
-        return (snap, self.prior, sps, np.asarray(ids, np.int64).tobytes(), ml.tobytes())
+        ids_b = np.asarray(ids, np.int64).tobytes()
+        return (snap, self.prior, sps, self._pool, ids_b, ml.tobytes())
 
     def _memo_k(self, key: tuple[object, ...]) -> tuple[int, Rows] | None:
         memo = self._k_memo
         if memo is None:
             return None
         old = memo[0]
-        same = all(a is b for a, b in zip(old[:3], key[:3], strict=True)) and old[3:] == key[3:]
+        same = all(a is b for a, b in zip(old[:4], key[:4], strict=True)) and old[4:] == key[4:]
         return memo[1] if same else None
 
     def _submit_next(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> None:
-        if self._pool is None:
+        if self._worker is None:
             return
         key = self._k_key(ids, sps, max_len)
-        self._next_for = (key[3], key[4])
+        self._next_for = (key[4], key[5])
         k = self._memo_k(key)
         if k is not None:  # nothing K depends on changed: no worker round trip
             self._next_k, self._next_key = _done(k), None
             return
         # next step's K, while this step's forward runs
         hist, prior, draft = self.history, self.prior, self._draft_for(ids.size)
-        self._next_k = self._pool.submit(
-            self._k_from_history, hist, ids, prior, sps, max_len, draft
+        self._next_k = self._worker.submit(
+            self._k_from_history, hist, ids, prior, sps, max_len, draft, self._pool
         )
         self._next_key = key
 
@@ -417,13 +432,32 @@ class VerifyPlanner:
         sps: np.ndarray,
         max_len: np.ndarray,
         draft: np.ndarray | None = None,
+        pool: np.ndarray | None = None,
     ) -> tuple[int, Rows]:
-        """K from the lagged survival, and with a row-priced drafter the rows that K drafts."""
-        lagged = history.lagged(ids, self.mode.lag, prior)
+        """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
+        of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
+        one, and stratified pool rows (POOL_ROWS) when the whole batch is drafted: its live top-K
+        then picks among them all, which the pool's spread prices and the prior's mean does not."""
+        lagged, hit = history.lagged_with_hits(ids, self.mode.lag, prior)
         tps = self.min_user_tps
-        if draft is not None:
-            return selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
-        return lagged_global_k(lagged, sps, max_len=max_len, min_user_tps=tps), None
+        absent = ~hit
+        fill = None
+        if pool is not None and pool.shape[0] >= POOL_MIN and np.count_nonzero(absent) >= 2:
+            fill = lagged.copy()
+            fill[absent] = stratified_rows(pool, int(np.count_nonzero(absent)))
+        if draft is None:  # every K > 0 drafts every row
+            surv = lagged if fill is None else fill
+            return lagged_global_k(surv, sps, max_len=max_len, min_user_tps=tps), None
+        k, rows, theta = selective_k_theta(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
+        if fill is not None:
+            every = np.full_like(draft, draft[-1])
+            every[0] = 0.0
+            k_all, _, theta_all = selective_k_theta(
+                fill, sps, every, max_len=max_len, min_user_tps=tps
+            )
+            if theta_all > theta and k_all > 0:
+                return k_all, np.arange(ids.size)
+        return k, rows
 
     def _lagged_k(
         self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray
@@ -441,9 +475,11 @@ class VerifyPlanner:
         got = self._memo_k(key)
         if got is None:
             draft = self._draft_for(ids.size)
-            got = self._k_from_history(self.history, ids, self.prior, sps, max_len, draft)
+            got = self._k_from_history(
+                self.history, ids, self.prior, sps, max_len, draft, self._pool
+            )
             self._k_memo = (key, got)
-        return got[0], got[1], ("no_overlap_plan" if self._pool is not None else "")
+        return got[0], got[1], ("no_overlap_plan" if self._worker is not None else "")
 
     def observe(
         self,
@@ -484,5 +520,5 @@ class VerifyPlanner:
         self.correction = self.correction.observe(conf, lens, acc)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
