@@ -16,8 +16,10 @@ from dspark_sglang.algo.survival import (
     SurvivalHistory,
     mask_survival,
     max_verify_lengths,
+    stratified_rows,
     sts_confidences,
     survival,
+    survival_pool,
 )
 
 
@@ -179,6 +181,22 @@ def test_history_serves_the_snapshot_lag_steps_back() -> None:
     assert len(h3.snapshots) == 2  # ring of depth 2
     assert h3.lagged(ids, 2, prior).tolist()[0] == [0.4, 0.2]
     assert h3.lagged(ids, 1, prior).tolist() == [fresh] * 4
+    surv, hit = h2.lagged_with_hits(ids, 2, prior)
+    assert surv.tolist() == h2.lagged(ids, 2, prior).tolist()
+    assert hit.tolist() == [True, False, True, False]
+    assert not h0.lagged_with_hits(ids, 1, prior)[1].any()
+
+
+def test_the_pool_keeps_the_newest_rows_and_strata_span_its_spread() -> None:
+    rows = np.linspace(1.0, 0.1, 10)[:, None] * np.array([1.0, 0.5])  # row i: (1 - i/10) x
+    pool = survival_pool(np.empty((0, 2)), rows[:6], 8)
+    pool = survival_pool(pool, rows[6:], 8)
+    assert pool.tolist() == rows[2:].tolist() and not pool.flags.writeable
+    assert stratified_rows(pool, 8).tolist() == rows[2:][::-1].tolist()  # n = size: every row
+    two = stratified_rows(pool, 2)  # the quartiles: below and above the middle
+    assert two.tolist() == [rows[7].tolist(), rows[3].tolist()]
+    assert stratified_rows(pool, 1).tolist() == [rows[5].tolist()]  # the median row
+    assert stratified_rows(pool, 16).mean(axis=0) == pytest.approx(pool.mean(axis=0))
 
 
 def test_history_is_an_immutable_value() -> None:

@@ -292,3 +292,46 @@ def test_predicted_theta_is_the_expected_tokens_over_the_predicted_step(mode: st
     assert seconds > cap.predict(3, 3 + plan.k, 30)  # the drafter is in it
     assert plan.predicted_theta == pytest.approx(tokens / seconds, rel=1e-9)
     p.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_absent_requests_read_the_pool_when_the_whole_batch_is_drafted(overlap: bool) -> None:
+    """Eight fresh requests, and a pool of recent rows of which half were confident and half not.
+    Read as the pool's mean (a prior with the same mean survival) no K pays: verifying the same
+    share of every row's drafts costs the forward more than it earns. Read as the pool's spread,
+    the live top-K verifies the confident half only (K = 16 at B = 24): drafting every row pays,
+    and draft_rows says so (None: all of them). Without the pool (fewer than POOL_MIN rows), or
+    with a pool of identical rows, K stays 0."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.survival import AcceptancePrior
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import POOL_MIN, VerifyPlanner
+
+    draft = Curve((1.0, 64.0), (0.005, 0.068))  # 5 ms + 1 ms per row
+    buckets = tuple(range(1, 257))  # every B its own bucket: 80 ms + 10 ms per token
+    cap = CapacityModel(TableModel(buckets, tuple(0.07 + 0.01 * b for b in buckets)), draft=draft)
+    mode = parse_schedule_mode("lagged")
+    old, fresh, max_len = list(range(8)), list(range(100, 108)), np.full(8, 4)
+
+    def planner(logits: np.ndarray, probes: int) -> VerifyPlanner:
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, overlap, True)
+        for _ in range(probes):  # probes of every row: unselected rows for the pool
+            p.plan(old, logits, max_len, 80, 0)
+        mean = p._pool.mean(axis=0) if p._pool.size else np.full(4, 0.5)
+        rates = mean / np.concatenate([[1.0], mean[:-1]])
+        p.prior = replace(AcceptancePrior.uniform(4), rates=tuple(float(x) for x in rates))
+        p.skip(fresh, max_len, 80)  # the plan for the fresh batch, from the history
+        return p
+
+    split = np.array([[6.0] * 4] * 4 + [[-6.0] * 4] * 4)
+    p = planner(split, probes=POOL_MIN // 8)
+    k = p.budget(fresh, max_len, 80)
+    assert k > 0 and p.draft_rows(fresh, k, max_len) is None
+    assert p.history.lagged_with_hits(np.array(fresh), 2, p.prior)[1].sum() == 0  # all absent
+    p.close()
+    few = planner(split, probes=POOL_MIN // 8 - 1)
+    assert few.budget(fresh, max_len, 80) == 0
+    few.close()
+    even = planner(np.zeros((8, 4)), probes=POOL_MIN // 8)  # every row alike: the mean is exact
+    assert even.budget(fresh, max_len, 80) == 0
+    even.close()
