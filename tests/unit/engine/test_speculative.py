@@ -434,7 +434,7 @@ def test_lagged_overlap_thread_plans_the_k_inline_planning_would(
         else:
             spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, max_running_requests=3, **kw)
         assert spec.planner is not None
-        assert (spec.planner._pool is not None) == bool(overlap)  # None on CPU: off
+        assert (spec.planner._worker is not None) == bool(overlap)  # None on CPU: off
         recs: list[StepRecord] = []
         spec.on_step = recs.append
         outs = spec.generate(ps, GREEDY)
