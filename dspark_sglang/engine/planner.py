@@ -66,7 +66,7 @@ LOAD_SHIFT = 2
 # step, or a probe's rotation), once POOL_MIN are in, instead of the prior's one mean row for all
 # of them: K = 0 at full load made every row the prior, and top-K over identical rows undervalued
 # drafting the batch (CPU engine, c = 64: priced 567 against 620 tok/s plain, while the steps that
-# did draft every row realised 727 against 642 with the live top-K).
+# did draft every row realised 726 against 642 with the live top-K).
 POOL_ROWS, POOL_MIN = 256, 16
 
 
