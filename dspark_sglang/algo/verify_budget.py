@@ -275,29 +275,13 @@ def selective_k(
     min_len: np.ndarray | int | None = None,
     max_len: np.ndarray | int | None = None,
     min_user_tps: float = 0.0,
-) -> tuple[int, np.ndarray]:
-    """`lagged_global_k` over `row_priced_sps`, and the requests that K drafts (sorted indices:
-    those with an entry among the first K path candidates, which is what `assign_top_k` admits
-    under the same survival), from one pass over the candidates. The same K as the two calls; the
-    lagged planner runs this every drafting step on the host, where each pass is a few dozen
-    small numpy calls."""
-    k, rows, _ = selective_k_theta(
-        lagged_surv, sps, draft_seconds, min_len=min_len, max_len=max_len, min_user_tps=min_user_tps
-    )
-    return k, rows
-
-
-def selective_k_theta(
-    lagged_surv: np.ndarray,
-    sps: np.ndarray,
-    draft_seconds: np.ndarray,
-    *,
-    min_len: np.ndarray | int | None = None,
-    max_len: np.ndarray | int | None = None,
-    min_user_tps: float = 0.0,
 ) -> tuple[int, np.ndarray, float]:
-    """`selective_k` and the predicted Θ at its K (-inf where the table holds no admissible K):
-    what a caller weighing two ways of drafting compares."""
+    """`lagged_global_k` over `row_priced_sps`, the requests that K drafts (sorted indices: those
+    with an entry among the first K path candidates, which is what `assign_top_k` admits under the
+    same survival) and the predicted Θ at K (-inf where the table holds no admissible K), from one
+    pass over the candidates. The same K as the two calls; the lagged planner runs this every
+    drafting step on the host, where each pass is a few dozen small numpy calls, and weighs its Θ
+    against drafting every row."""
     num_reqs = lagged_surv.shape[0]
     if sps.size <= num_reqs:  # not even K = 0 fits the table
         k = lagged_global_k(lagged_surv, sps, min_len=min_len, max_len=max_len)

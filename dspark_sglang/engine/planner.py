@@ -32,7 +32,7 @@ from dspark_sglang.algo.verify_budget import (
     expected_throughput,
     lagged_global_k,
     plan_verify_lengths,
-    selective_k_theta,
+    selective_k,
 )
 from dspark_sglang.types import StepRecord
 
@@ -448,13 +448,11 @@ class VerifyPlanner:
         if draft is None:  # every K > 0 drafts every row
             surv = lagged if fill is None else fill
             return lagged_global_k(surv, sps, max_len=max_len, min_user_tps=tps), None
-        k, rows, theta = selective_k_theta(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
+        k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
         if fill is not None:
             every = np.full_like(draft, draft[-1])
             every[0] = 0.0
-            k_all, _, theta_all = selective_k_theta(
-                fill, sps, every, max_len=max_len, min_user_tps=tps
-            )
+            k_all, _, theta_all = selective_k(fill, sps, every, max_len=max_len, min_user_tps=tps)
             if theta_all > theta and k_all > 0:
                 return k_all, np.arange(ids.size)
         return k, rows
