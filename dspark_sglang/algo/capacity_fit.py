@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -189,6 +189,64 @@ def _cap_above_seen(table: dict[int, tuple[float, float]], curve: Curve | None) 
     return Curve(curve.knots, vals)
 
 
+# R at least this far apart in prior price (largest / smallest) fit an intercept as well as a
+# slope to the prior's curve; closer, the slope alone (a ratio) is all they can tell.
+AFFINE_SPREAD = 2.0
+
+
+def r_bin(r: int) -> int:
+    """R rounded up to an eighth of its power of two (exact below 16): the R whose drafting
+    records count together. A full batch wanders by a few requests (c = 64: R = 58-64), and per-R
+    counts left each R below CAP_MIN_RECORDS after a dozen drafting steps there."""
+    step = 1 << max(0, int(r).bit_length() - 4)
+    return -(-int(r) // step) * step
+
+
+def _from_prior(
+    table: dict[int, tuple[float, float]], prior: Curve | None, w0: float
+) -> Callable[[float], float] | None:
+    """What the R seen say of the live term at any R, read off the prior's curve p(R).
+
+    The ratio of measured to prior, shrunk toward 1 by w0 pseudo-records, carries a multiplicative
+    error (a slower host). Drafting adds a fixed part the start-up profile never timed (the
+    drafter's bookkeeping, the plan; about 3 ms on the CPU engine) and a ratio learned where
+    that part dominates, at R = 1, multiplied it into every R: served, 2026-12-02, a lagged engine
+    that had drafted R = 1-32 priced R = 64 at 130 ms where a drafting step there added 90, and
+    served c = 64 without drafting. Where the R seen span AFFINE_SPREAD of prior price, a
+    weighted line m = a + b·p (a ≥ 0, b > 0) is fitted as well, and the lower of the two is used: a
+    price too low is corrected by the drafting steps it brings; one too high is never tested."""
+    if prior is None:
+        return None
+    pairs = [(m, n, float(prior(r))) for r, (m, n) in table.items() if m > 0.0 and n > 0.0]
+    pairs = [(m, n, p) for m, n, p in pairs if p > 0.0]
+    num = sum(n * math.log(m / p) for m, n, p in pairs)
+    den = sum(n for _, n, _ in pairs)
+    level = math.exp(num / (den + w0))  # shrunk toward 1 like each R toward the prior
+    groups: dict[int, list[tuple[float, float, float]]] = {}
+    for r, (m, n) in table.items():
+        if m > 0.0 and n > 0.0 and float(prior(r)) > 0.0:
+            groups.setdefault(r_bin(r), []).append((m, n, float(prior(r))))
+    firm = []  # (mean seconds, records, mean prior seconds) of each R bin with enough records
+    for g in groups.values():
+        n_sum = sum(n for _, n, _ in g)
+        if n_sum >= CAP_MIN_RECORDS:
+            firm.append(
+                (sum(m * n for m, n, _ in g) / n_sum, n_sum, sum(p * n for _, n, p in g) / n_sum)
+            )
+    line = None
+    if len(firm) >= 2 and max(p for *_, p in firm) >= AFFINE_SPREAD * min(p for *_, p in firm):
+        m, n, p = (np.asarray(x, np.float64) for x in zip(*firm, strict=True))
+        pw = float(n @ p) / float(n.sum())
+        b = float(n @ ((p - pw) * m)) / float(n @ ((p - pw) ** 2))
+        a = float(n @ m) / float(n.sum()) - b * pw
+        if b > 0.0 and a >= 0.0:
+            line = (a, b)
+    if line is None:
+        return lambda r: float(prior(r)) * level
+    a, b = line
+    return lambda r: min(float(prior(r)) * level, a + b * float(prior(r)))
+
+
 @dataclass(frozen=True, slots=True)
 class EstimatorConfig:
     publish_every: int = 32  # accepted records between published versions
@@ -365,6 +423,12 @@ class LiveEstimator:
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)
 
+    def drafts_timed(self, num_reqs: int) -> float:
+        """Drafting steps that taught the draft term at R's bin (`r_bin`): what the price of
+        drafting this many rows rests on (probes and resumed drafters teach nothing)."""
+        b = r_bin(num_reqs)
+        return sum(n for r, (_, n) in self._draft.items() if r_bin(r) == b)
+
     def _observe_host(self, num_reqs: int, seconds: float) -> None:
         seconds *= math.exp(-self._g)  # at the level, as _observe_draft
         mean, n = self._host.get(num_reqs, (seconds, 0.0))
@@ -413,30 +477,25 @@ class LiveEstimator:
     def _ewma_curve(
         self, table: dict[int, tuple[float, float]], prior: Curve | None
     ) -> Curve | None:
-        """Seconds vs R from per-R EWMAs, a sparse R shrunk toward the prior's curve times the
-        level learned over every R seen. The prior's shape carries to an R not seen yet, its level
-        does not: the start-up profile times the drafter alone, while the live term is all that
-        drafting adds to a step (the drafter's own timer saw 5.1 of 7 ms at R = 1), so shrinking
-        toward the raw prior priced drafting low at every R not drafted yet, and each drafting
-        step at such an R (high load, after low load) lost throughput until the EWMA caught up."""
+        """Seconds vs R from per-R EWMAs, a sparse R shrunk toward what the R seen say of the
+        prior's curve there (`_from_prior`). The prior's shape carries to an R not seen yet, its
+        level does not: the start-up profile times the drafter alone, while the live term is all
+        that drafting adds to a step (the drafter's own timer saw 5.1 of 7 ms at R = 1), so
+        shrinking toward the raw prior priced drafting low at every R not drafted yet, and each
+        drafting step at such an R (high load, after low load) lost throughput until the EWMA
+        caught up."""
         if not table:
             return prior
         w0 = self.cfg.prior_weight
-        level = 1.0
-        if prior is not None:
-            pairs = [(m, n, float(prior(r))) for r, (m, n) in table.items()]
-            num = sum(n * math.log(m / p) for m, n, p in pairs if m > 0.0 and p > 0.0)
-            den = sum(n for m, n, p in pairs if m > 0.0 and p > 0.0)
-            level = math.exp(num / (den + w0))  # shrunk toward 1 like each R toward the prior
         reqs = sorted(set(table) | set(int(k) for k in (prior.knots if prior else ())))
+        at = _from_prior(table, prior, w0)
         vals, wts = [], []
         for r in reqs:
             mean, n = table.get(r, (0.0, 0.0))
-            if prior is not None:  # shrink a sparse R toward the prior's value there
-                p = float(prior(r)) * level
-                mean = (mean * n + p * w0) / (n + w0)
+            if at is not None:  # shrink a sparse R toward the prior's value there
+                mean = (mean * n + at(r) * w0) / (n + w0)
             vals.append(mean)
-            wts.append(n + (w0 if prior is not None else 0.0))
+            wts.append(n + (w0 if at is not None else 0.0))
         # more requests never cost less: isotonic in R, as the forward's scale is in B
         smooth = isotonic(np.asarray(vals), np.maximum(np.asarray(wts), 1e-3))
         return Curve(tuple(float(r) for r in reqs), tuple(smooth.tolist()))

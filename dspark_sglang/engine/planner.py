@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark_sglang.algo.capacity import CapacityModel
-from dspark_sglang.algo.capacity_fit import LiveEstimator
+from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
@@ -68,6 +68,16 @@ LOAD_SHIFT = 2
 # drafting the batch (CPU engine, c = 64: priced 567 against 620 tok/s plain, while the steps that
 # did draft every row realised 726 against 642 with the live top-K).
 POOL_ROWS, POOL_MIN = 256, 16
+# Selective lagged: the whole batch is drafted, though priced below the best plan, while it is
+# priced within EXPLORE_RATIO of it and fewer than CAP_MIN_RECORDS drafting steps timed the
+# drafter at this R (capacity_fit.r_bin). A price never tested is never corrected: the planner
+# declines what it prices dear and so never times it. Served, 2026-12-02 (sweep 31a9224): at
+# c = 64 lagged priced a whole-batch drafting step 21-43 % above what it took (sync drafted every
+# step there and realised 850 tok/s over full-load steps against lagged's plain 752), because
+# every drafting step it took there came after plain steps (a resumed drafter, which teaches
+# nothing). The cost is bounded: at most (1 - EXPLORE_RATIO) of a step's predicted throughput, a
+# few steps per R bin (the first is resumed, the next CAP_MIN_RECORDS teach).
+EXPLORE_RATIO = 0.75
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -388,13 +398,18 @@ class VerifyPlanner:
         """Drafts verified at position 1 so far (probes and drafting steps alike)."""
         return self.prior.trials[0] if self.prior.trials else 0.0
 
+    def _explore(self, r: int) -> bool:
+        """Whether the drafter's price at R is untested (EXPLORE_RATIO)."""
+        est = self.estimator
+        return self.selective and est is not None and est.drafts_timed(r) < CAP_MIN_RECORDS
+
     def _k_key(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[object, ...]:
         lag = self.mode.lag
         snaps = self.history.snapshots
         snap = snaps[-lag] if len(snaps) >= lag else None
         ml = np.asarray(max_len, np.int64)
         ids_b = np.asarray(ids, np.int64).tobytes()
-        return (snap, self.prior, sps, self._pool, ids_b, ml.tobytes())
+        return (snap, self.prior, sps, self._pool, ids_b, ml.tobytes(), self._explore(ids.size))
 
     def _memo_k(self, key: tuple[object, ...]) -> tuple[int, Rows] | None:
         memo = self._k_memo
@@ -416,7 +431,7 @@ class VerifyPlanner:
         # next step's K, while this step's forward runs
         hist, prior, draft = self.history, self.prior, self._draft_for(ids.size)
         self._next_k = self._worker.submit(
-            self._k_from_history, hist, ids, prior, sps, max_len, draft, self._pool
+            self._k_from_history, hist, ids, prior, sps, max_len, draft, self._pool, key[6]
         )
         self._next_key = key
 
@@ -433,11 +448,14 @@ class VerifyPlanner:
         max_len: np.ndarray,
         draft: np.ndarray | None = None,
         pool: np.ndarray | None = None,
+        explore: bool = False,
     ) -> tuple[int, Rows]:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
         one, and stratified pool rows (POOL_ROWS) when the whole batch is drafted: its live top-K
-        then picks among them all, which the pool's spread prices and the prior's mean does not."""
+        then picks among them all, which the pool's spread prices and the prior's mean does not.
+        `explore`: the drafter's price at this R is untested, and the whole batch is drafted
+        while priced within EXPLORE_RATIO of the best plan."""
         lagged, hit = history.lagged_with_hits(ids, self.mode.lag, prior)
         tps = self.min_user_tps
         absent = ~hit
@@ -449,12 +467,14 @@ class VerifyPlanner:
             surv = lagged if fill is None else fill
             return lagged_global_k(surv, sps, max_len=max_len, min_user_tps=tps), None
         k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
-        if fill is not None:
-            every = np.full_like(draft, draft[-1])
-            every[0] = 0.0
-            k_all, _, theta_all = selective_k(fill, sps, every, max_len=max_len, min_user_tps=tps)
-            if theta_all > theta and k_all > 0:
-                return k_all, np.arange(ids.size)
+        if fill is None and not explore:
+            return k, rows
+        every = np.full_like(draft, draft[-1])
+        every[0] = 0.0
+        surv = lagged if fill is None else fill
+        k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
+        if k_all > 0 and (theta_all > theta or (explore and theta_all >= EXPLORE_RATIO * theta)):
+            return k_all, np.arange(ids.size)
         return k, rows
 
     def _lagged_k(
@@ -474,7 +494,7 @@ class VerifyPlanner:
         if got is None:
             draft = self._draft_for(ids.size)
             got = self._k_from_history(
-                self.history, ids, self.prior, sps, max_len, draft, self._pool
+                self.history, ids, self.prior, sps, max_len, draft, self._pool, key[6]
             )
             self._k_memo = (key, got)
         return got[0], got[1], ("no_overlap_plan" if self._worker is not None else "")
