@@ -473,8 +473,16 @@ class VerifyPlanner:
         every[0] = 0.0
         surv = lagged if fill is None else fill
         k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
-        if k_all > 0 and (theta_all > theta or (explore and theta_all >= EXPLORE_RATIO * theta)):
+        if k_all > 0 and theta_all > theta:
             return k_all, np.arange(ids.size)
+        if explore:
+            if k_all == 0:  # the best plan that drafts: every row verifies at least one draft
+                once = np.minimum(np.asarray(max_len), 1)
+                k_all, _, theta_all = selective_k(
+                    surv, sps, every, min_len=once, max_len=max_len, min_user_tps=tps
+                )
+            if k_all > 0 and theta_all >= EXPLORE_RATIO * theta:
+                return k_all, np.arange(ids.size)
         return k, rows
 
     def _lagged_k(

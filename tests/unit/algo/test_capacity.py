@@ -783,3 +783,61 @@ def test_a_learned_host_term_is_flat_past_the_largest_r_seen() -> None:
     for r in (4, 16, 64):
         assert float(m.host_seconds(r)) == pytest.approx(host[3], rel=0.02)
         assert m.host_seconds(np.array([r]))[0] == pytest.approx(host[3], rel=0.02)
+
+
+def test_a_fixed_drafting_cost_is_not_multiplied_into_the_rs_not_drafted_yet() -> None:
+    """The start-up profile times the drafter alone (1.2 ms per row); drafting adds 4 ms more per
+    step. Seen at R = 1-8 only, a ratio of measured to prior (4.3 at R = 1, 1.4 at R = 8) would
+    price R = 64 at about twice its cost; the line through the R bins seen prices it right, and
+    below what the ratio says."""
+    from dspark_sglang.algo.capacity_fit import _from_prior
+
+    def extra(r: int) -> float:
+        return 0.004 + 0.0012 * r
+
+    knots = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    prior = replace(TRUTH, draft=Curve(knots, tuple(0.0012 * r for r in knots)))
+    rng = np.random.default_rng(8)
+    est = LiveEstimator(prior)
+    for t in range(400):
+        r = int(rng.choice([1, 2, 4, 8]))
+        fwd = TRUTH.predict(r, 4 * r, 800 * r)
+        y = fwd + extra(r) * np.exp(rng.normal(0.0, 0.03))
+        est.observe(
+            StepRecord(
+                t, r, 4 * r, 0, r, 800 * r, float(y), draft_seconds=0.001, forward_seconds=fwd
+            )
+        )
+    m = est.model
+    for r in (1, 8, 16, 32, 64):
+        assert float(m.draft_seconds(r)) == pytest.approx(extra(r), rel=0.1), r
+    table = {1: (extra(1), 100.0), 8: (extra(8), 100.0)}
+    ratio = _from_prior({1: (extra(1), 100.0)}, prior.draft, 8.0)  # one R: the ratio alone
+    line = _from_prior(table, prior.draft, 8.0)
+    assert ratio is not None and line is not None
+    assert line(64) == pytest.approx(extra(64), rel=0.01)
+    assert ratio(64) > 2.5 * extra(64)
+    # a line above the ratio (cost growing faster than the prior's) leaves the ratio's price
+    steep = _from_prior({1: (0.0005, 100.0), 8: (0.02, 100.0)}, prior.draft, 8.0)
+    assert steep is not None and steep(64) < 0.02 * 8
+
+
+def test_drafting_records_count_by_r_bin() -> None:
+    """A full batch wanders by a few requests; its drafting records count together (r_bin), so
+    the line through the R bins seen reads them as one point once CAP_MIN_RECORDS are in."""
+    from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, r_bin
+
+    assert [r_bin(r) for r in range(1, 17)] == list(range(1, 17))
+    assert r_bin(17) == 18 and r_bin(33) == 36 and r_bin(61) == 64 and r_bin(57) == 60
+    assert all(r <= r_bin(r) <= r * 1.125 for r in range(1, 5000))
+    knots = (1.0, 64.0)
+    est = LiveEstimator(replace(TRUTH, draft=Curve(knots, (0.002, 0.128))))
+    for t, r in enumerate((61, 62, 63, 64)):
+        fwd = TRUTH.predict(r, 4 * r, 800 * r)
+        est.observe(
+            StepRecord(
+                t, r, 4 * r, 0, r, 800 * r, fwd + 0.05, draft_seconds=0.04, forward_seconds=fwd
+            )
+        )
+    assert est.drafts_timed(64) == CAP_MIN_RECORDS == 4
+    assert est.drafts_timed(60) == 0

@@ -335,3 +335,51 @@ def test_absent_requests_read_the_pool_when_the_whole_batch_is_drafted(overlap: 
     even = planner(np.zeros((8, 4)), probes=POOL_MIN // 8)  # every row alike: the mean is exact
     assert even.budget(fresh, max_len, 80) == 0
     even.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: bool) -> None:
+    """Eight requests whose lagged survival is 0.5, 0.25, …: drafting them all is priced at 0.93
+    of decoding plainly (K = 8 at B = 16), so K = 0 is the best plan. While no drafting step timed
+    the drafter at R = 8 the whole batch is drafted anyway (within EXPLORE_RATIO), once
+    CAP_MIN_RECORDS did, K = 0; a drafter priced far above the plain step (0.68 of it) is not
+    explored; and without a live estimator nothing is."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import EXPLORE_RATIO, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    buckets = tuple(range(1, 257))  # every B its own bucket: 70 ms + 10 ms per token
+    table = TableModel(buckets, tuple(0.07 + 0.01 * b for b in buckets))
+    mode = parse_schedule_mode("lagged")
+    ids, max_len, logits = list(range(8)), np.full(8, 4), np.zeros((8, 4))
+
+    def planner(draft: Curve, live: bool = True) -> VerifyPlanner:
+        p = VerifyPlanner(
+            mode, 4, CapacityModel(table, draft=draft), None, live, 0.0, overlap, True
+        )
+        for _ in range(2):  # every row drafted and verified: lagged survival 0.5, 0.25, …
+            p.plan(ids, logits, max_len, 80, 0)
+        p.skip(ids, max_len, 80)  # plans the next K (on the thread, with overlap)
+        return p
+
+    cheap = Curve((1.0, 64.0), (0.005, 0.068))  # 5 ms + 1 ms per row: 13 ms for 8 rows
+    assert EXPLORE_RATIO * 8 / 0.15 <= (8 + 8 * 0.5) / (0.07 + 0.16 + 0.013)
+    p = planner(cheap)
+    k = p.budget(ids, max_len, 80)
+    assert k == 8 and p.draft_rows(ids, k, max_len) is None  # every row
+    assert p.estimator is not None
+    for t in range(CAP_MIN_RECORDS):
+        p.estimator.observe(
+            StepRecord(t, 8, 16, 0, 8, 640, 0.243, draft_seconds=0.013, num_draft_reqs=8)
+        )
+    p.skip(ids, max_len, 80)
+    assert p.budget(ids, max_len, 80) == 0  # tested: the plain step is the better plan
+    p.close()
+    dear = planner(Curve((1.0, 64.0), (0.1, 0.163)))
+    assert dear.budget(ids, max_len, 80) == 0
+    dear.close()
+    fixed = planner(cheap, live=False)
+    assert fixed.budget(ids, max_len, 80) == 0
+    fixed.close()
