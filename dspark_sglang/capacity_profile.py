@@ -280,6 +280,43 @@ def profile_from_report(
     return profile_to_dict(profile_from_dict(out))
 
 
+def live_profile(
+    model: CapacityModel,
+    *,
+    name: str,
+    hardware: str,
+    target: str,
+    drafter: str | None,
+    ep: int,
+    gamma: int,
+    command: str,
+    notes: str,
+) -> dict[str, Any]:
+    """A running engine's capacity model, as its live estimator last published it, as a
+    validated profile dict (GET /capacity?format=profile). `--capacity-profile` starts an engine
+    from it: the live scale, drafter and host terms included, which that engine's estimator keeps
+    and corrects on top of (LiveEstimator: a prior that already carries a scale)."""
+    out = {
+        "name": name,
+        "engine": "reference",
+        "hardware": hardware,
+        "target": target,
+        "drafter": drafter,
+        "parallelism": {"tp": 1, "ep": ep, "dp": 1},
+        "gamma": gamma,
+        "buckets": list(model.form.buckets),
+        "model": model.to_dict(),
+        "provenance": {
+            "kind": "measured",
+            "command": command,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "version": tool_version(),
+            "notes": notes,
+        },
+    }
+    return profile_to_dict(profile_from_dict(out))
+
+
 # ---- analytic: DeepSeek-V4-like MoE on H200 (derivation in docs/capacity.md) -----------------
 
 # Public numbers. H200 SXM datasheet: HBM3e 4.8 TB/s; dense FP8 tensor 1979 TFLOPS (3958 is with

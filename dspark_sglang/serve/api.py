@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import jinja2
 import prometheus_client as prom
+import yaml
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +39,7 @@ from dspark_sglang.types import SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
+PROFILE_HEADER = "# Engine capacity profile from a running server (GET /capacity?format=profile).\n"
 RETRY_BACKOFF_S = 0.25  # x attempt: a worker that just joined may not have every ZMQ link up
 
 
@@ -58,6 +60,7 @@ class Worker:
     refused: str | None = None
     last_seen: float = 0.0
     hb: m.Heartbeat | None = None
+    capacity: dict[str, Any] | None = None  # the last capacity model it sent (GET /capacity)
     uids: set[int] = field(default_factory=set)  # prefill: not yet handed off; decode: all
 
 
@@ -247,6 +250,8 @@ class Router:
             else:
                 log.info("%s joined (boot %x)", w.name, hb.boot)
         w.last_seen, w.hb = time.monotonic(), hb
+        if hb.capacity is not None:
+            w.capacity = hb.capacity
         for reason, n in hb.fallbacks.items():
             self.metrics.fallbacks.labels(w.name, reason).inc(n)
 
@@ -619,6 +624,30 @@ def create_app(cfg: Config) -> FastAPI:
     async def metrics() -> Response:
         text = prom.generate_latest(api.metrics.registry)
         return Response(text, media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.get("/capacity")
+    async def capacity(format: str = "json", worker: str | None = None) -> Response:
+        """The capacity model each decode worker's planner prices steps with, as its live
+        estimator last published it (docs/capacity.md). format=profile: one worker's model as an
+        engine profile (YAML) that --capacity-profile starts an engine from."""
+        if format not in ("json", "profile"):
+            return _err(400, f"format: expected 'json' or 'profile', got {format!r}")
+        have = {w.name: w.capacity for w in api.router.workers.values() if w.capacity}
+        if worker is not None:
+            if worker not in api.router.workers:
+                return _err(404, f"worker: no worker named {worker!r}")
+            have = {k: v for k, v in have.items() if k == worker}
+        if not have:
+            return _err(
+                404, "no capacity model: no worker runs a capacity-driven schedule (lagged, sync)"
+            )
+        if format == "json":
+            return JSONResponse({"workers": have})
+        if len(have) > 1:
+            return _err(400, f"worker: name one of {sorted(have)} for format=profile")
+        (got,) = have.values()
+        text = yaml.safe_dump(got["profile"], sort_keys=False, width=100)
+        return Response(PROFILE_HEADER + text, media_type="application/yaml")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

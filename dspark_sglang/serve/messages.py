@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -114,6 +115,9 @@ class Heartbeat(msgspec.Struct, tag=True):
     capacity_mape: float = -1.0
     verify_budget_k: float = 0.0
     fallbacks: dict[str, int] = {}  # planner fallbacks by reason, counted since the last beat
+    # The decode worker's live capacity model when its version changed since the last beat:
+    # {"version", "observed", "drift_events", "mape", "profile"} (GET /capacity).
+    capacity: dict[str, Any] | None = None
 
 
 class Refuse(msgspec.Struct, tag=True):

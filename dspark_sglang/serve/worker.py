@@ -8,7 +8,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import platform
 import secrets
+import shlex
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +19,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+import torch
 
+from dspark_sglang.capacity_profile import live_profile
 from dspark_sglang.config import Config, ConfigError
 from dspark_sglang.engine.engine import LLMEngine
 from dspark_sglang.serve import messages as m
@@ -37,8 +42,8 @@ class WorkerLink:
         addrs = cfg.serve.prefill_addrs if role == "prefill" else cfg.serve.decode_addrs
         if not 0 <= index < len(addrs):
             raise ConfigError(f"--worker-index {index} out of range: {len(addrs)} {role} addresses")
-        self.name = f"{role}{index}"
-        self.cfg = cfg.serve
+        self.name, self.role = f"{role}{index}", role
+        self.cfg, self.full_cfg = cfg.serve, cfg
         self.sec = Security(cfg.serve)
         self.records: list[StepRecord] = []  # since the last heartbeat
         self._step_log = _open_step_log(cfg.serve.step_log_dir, self.name)
@@ -48,6 +53,7 @@ class WorkerLink:
         self.boot = secrets.randbits(62)
         self.hand = self._handshake(cfg)
         self._next_beat = 0.0
+        self._capacity_sent = -1  # version of the capacity model the router has
         self._parent = int(os.environ.get(PARENT_ENV, "0"))
         log.info("%s serving on %s", self.name, addrs[index])
 
@@ -113,12 +119,52 @@ class WorkerLink:
             tau=st["tau"],
             verify_tokens_per_step=st["verify_tokens_per_step"],
             acceptance=[-1.0 if a is None else a for a in st["conditional_acceptance"]],
+            capacity=self._capacity(),
             **_step_summary(recs),
         )
         recs.clear()
         self.router.send(m.encode(hb))
         if self._step_log is not None:  # whole lines at least every heartbeat, for tail -f
             self._step_log.flush()
+
+    def _capacity(self) -> dict[str, Any] | None:
+        """The planner's capacity model for GET /capacity, once per published version (none
+        without a capacity-driven schedule). Built at a beat, not at each publish: validating the
+        profile takes a fraction of a millisecond the step loop need not pay 32 records apart."""
+        planner = self.engine.planner if self.role == "decode" else None
+        model = planner.capacity if planner is not None else None
+        if model is None or model.version == self._capacity_sent:
+            return None
+        self._capacity_sent = model.version
+        est, cfg = planner.estimator, self.full_cfg
+        mape = est.mape if est is not None else math.nan
+        source = "live estimator" if est is not None else "profile (live updates off)"
+        notes = (
+            f"{self.name}'s capacity model, version {model.version}, as its {source} published it "
+            f"after {est.num_observed if est is not None else 0} steps"
+        )
+        runner = self.engine.runner
+        hardware = f"{runner.device} ({platform.machine()}, {torch.get_num_threads()} threads)"
+        if runner.device.startswith("cuda"):
+            hardware = f"{torch.cuda.get_device_name(runner.device)} ({hardware})"
+        profile = live_profile(
+            model,
+            name=f"live-{self.name}",
+            hardware=hardware,
+            target=cfg.model.path,
+            drafter=cfg.draft.path,
+            ep=cfg.parallel.ep_size,
+            gamma=self.engine.gamma,
+            command=shlex.join(sys.argv),
+            notes=notes,
+        )
+        return {
+            "version": model.version,
+            "observed": est.num_observed if est is not None else 0,
+            "drift_events": est.drift_events if est is not None else 0,
+            "mape": mape if math.isfinite(mape) else -1.0,
+            "profile": profile,
+        }
 
 
 _ENC = msgspec.json.Encoder()

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from dspark_sglang.capacity_profile import load_profile
 from dspark_sglang.engine.engine import LLM
 from dspark_sglang.types import SamplingParams
 from tests.integration.conftest import Cluster
@@ -282,6 +283,12 @@ def test_default_lagged_scheduler_serves_greedy_identically(model_pair: tuple[Pa
         assert all(r["step_seconds"] > 0 and r["num_prefill_tokens"] == 0 for r in recs)
         pre = _read_steps(logs / "new" / "prefill0.steps.jsonl")
         assert sum(r["num_prefill_tokens"] for r in pre) > 0
+        # GET /capacity: the decode worker's live model, a profile --capacity-profile loads
+        cap = httpx.get(f"{c.url}/capacity", timeout=10).json()["workers"]
+        assert list(cap) == ["decode0"] and cap["decode0"]["observed"] >= 0
+        text = httpx.get(f"{c.url}/capacity?format=profile", timeout=10).text
+        (logs / "live.yaml").write_text(text)
+        assert load_profile(logs / "live.yaml").gamma == cap["decode0"]["profile"]["gamma"]
     finally:
         c.stop()
         shutil.rmtree(logs, ignore_errors=True)

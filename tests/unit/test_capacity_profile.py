@@ -268,3 +268,57 @@ def test_profile_cli_json_feeds_a_profile(
     for p in report["points"]:
         kv = p["R"] * (p["ctx"] + p["tokens_per_req"])
         assert 0.5 < m.predict(p["R"], p["B"], kv) / p["median_s"] < 2.0
+
+
+def test_a_live_model_saves_as_a_profile_an_engine_starts_from(tmp_path: Path) -> None:
+    """GET /capacity?format=profile: a live model (its scale, drafter and host terms) saved as a
+    profile loads back equal, and an estimator started from it prices steps as the live one."""
+    from dspark_sglang.algo.capacity_fit import LiveEstimator
+    from dspark_sglang.capacity_profile import live_profile
+    from dspark_sglang.types import StepRecord
+
+    prior = profile_from_dict(measured_dict()).model
+    prior = replace(prior, scale=None, draft=Curve((1.0, 8.0), (0.001, 0.004)))
+    est = LiveEstimator(prior)
+    rng = np.random.default_rng(2)
+    for t in range(200):  # 1.3x slower than the prior, a drafter 2x its price, host work
+        r = int(rng.choice([1, 2, 4]))
+        fwd = 1.3 * float(prior.predict(r, 2 * r, 0))
+        d = 2 * float(prior.draft_seconds(r)) if t % 2 else 0.0  # every other step drafts
+        y = fwd + 0.0005 + d
+        rec = StepRecord(t, r, 2 * r, 0, r, 0, y, draft_seconds=d / 4, forward_seconds=fwd)
+        est.observe(rec)
+    live = est.model
+    assert live.version > 0 and live.scale is not None and live.host is not None
+    d = live_profile(
+        live,
+        name="live-decode0",
+        hardware="cpu (x86_64, 1 threads)",
+        target="synthetic:tiny-moe",
+        drafter="drafters/dspark",
+        ep=1,
+        gamma=4,
+        command="python -m dspark_sglang.launch_server --role decode",
+        notes="test",
+    )
+    assert d["provenance"]["kind"] == "measured" and d["model"]["version"] == live.version
+    save_profile(d, tmp_path / "live.yaml")
+    loaded = load_profile(tmp_path / "live.yaml").model
+    assert loaded == live
+    again = LiveEstimator(loaded).model
+    for r, b in ((1, 1), (2, 6), (4, 8)):
+        assert again.predict(r, b, 0, drafted=True) == pytest.approx(
+            live.predict(r, b, 0, drafted=True)
+        )
+    with pytest.raises(ConfigError, match=r"parallelism\.ep"):
+        live_profile(
+            live,
+            name="x",
+            hardware="h",
+            target="t",
+            drafter=None,
+            ep=0,
+            gamma=4,
+            command="c",
+            notes="",
+        )

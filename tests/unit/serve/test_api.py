@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from fastapi.testclient import TestClient
 
 from dspark_sglang.config import Config, ModelConfig, ServeConfig
@@ -116,3 +117,40 @@ def test_oversized_body_is_413(client: TestClient) -> None:
         headers={**AUTH, "content-type": "application/json"},
     )
     assert r.status_code == 413
+
+
+def test_capacity_serves_each_decode_workers_live_model(client: TestClient) -> None:
+    """GET /capacity: 404 until a worker sent a capacity model, then its model per worker (JSON),
+    or one worker's as a profile (YAML) that validates; bad parameters are a 4xx naming them."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.capacity_profile import live_profile, profile_from_dict
+
+    r = client.get("/capacity", headers=AUTH)
+    assert r.status_code == 404 and "capacity-driven" in r.json()["error"]["message"]
+    model = CapacityModel(TableModel((1, 8), (0.01, 0.03)), draft=Curve((1.0,), (0.002,)))
+    profile = live_profile(
+        model,
+        name="live-decode0",
+        hardware="cpu",
+        target="m",
+        drafter="d",
+        ep=1,
+        gamma=4,
+        command="c",
+        notes="n",
+    )
+    payload = {"version": 0, "observed": 0, "drift_events": 0, "mape": -1.0, "profile": profile}
+    client.app.state.api.router.workers["decode0"].capacity = payload
+    got = client.get("/capacity", headers=AUTH).json()
+    assert got == {"workers": {"decode0": payload}}
+    r = client.get("/capacity?format=profile", headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/yaml")
+    assert profile_from_dict(yaml.safe_load(r.text)).model == model
+    assert client.get("/capacity?worker=decode0&format=profile", headers=AUTH).status_code == 200
+    r = client.get("/capacity?worker=prefill0", headers=AUTH)
+    assert r.status_code == 404 and "no capacity model" in r.json()["error"]["message"]
+    r = client.get("/capacity?worker=nope", headers=AUTH)
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    r = client.get("/capacity?format=csv", headers=AUTH)
+    assert r.status_code == 400 and "format" in r.json()["error"]["message"]
+    assert client.get("/capacity").status_code == 401
