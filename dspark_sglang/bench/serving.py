@@ -326,6 +326,7 @@ class ServerMonitor:
 
     def __init__(self, client: httpx.AsyncClient, base_url: str, interval: float) -> None:
         self.client, self.url, self.interval = client, f"{base_url}/metrics", interval
+        self.capacity_url = f"{base_url}/capacity"
         self.samples: list[dict[str, float]] = []
         self.last: dict[str, list] | None = None
         self.available = True
@@ -365,7 +366,26 @@ class ServerMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         m = await self.scrape() if self.available else None
-        return server_summary(m or self.last, self.samples)
+        return server_summary(m or self.last, self.samples) | {
+            "server_capacity": await self.capacity() if self.available else None
+        }
+
+    async def capacity(self) -> dict[str, Any] | None:
+        """Each decode worker's capacity model at the end of the run (GET /capacity: version,
+        steps observed, MAPE and the model), which its planner priced the last steps with; None
+        from a server without the route (sglang, vllm) or without a capacity-driven schedule."""
+        try:
+            r = await self.client.get(self.capacity_url)
+            if r.status_code != 200:
+                return None
+            workers = r.json()["workers"]
+            return {
+                name: {k: v for k, v in w.items() if k != "profile"}
+                | {"model": w["profile"]["model"]}
+                for name, w in workers.items()
+            }
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
 
 
 def server_summary(m: dict[str, list] | None, samples: list[dict[str, float]]) -> dict[str, Any]:
@@ -377,6 +397,7 @@ def server_summary(m: dict[str, list] | None, samples: list[dict[str, float]]) -
         "mean_running_requests": None,
         "verify_tokens_per_request": None,
         "server_step_ms": None,
+        "server_capacity": None,
     }
     if m is None:
         return out

@@ -169,11 +169,19 @@ dspark_acceptance_rate{position="2",worker="decode0"} 0.8
 """
 
 
+CAPACITY = {
+    "version": 3, "observed": 96, "drift_events": 0, "mape": 0.08,
+    "profile": {"name": "live-decode0", "model": {"kind": "table", "version": 3, "params": {}}},
+}  # fmt: skip
+
+
 def _fake_server(request: httpx.Request) -> httpx.Response:
     if request.url.path == "/v1/models":
         return httpx.Response(200, json={"data": [{"id": "tiny"}]})
     if request.url.path == "/metrics":
         return httpx.Response(200, text=METRICS)
+    if request.url.path == "/capacity":
+        return httpx.Response(200, json={"workers": {"decode0": CAPACITY}})
     body = json.loads(request.content)
     n = body["max_tokens"]
     ext = {"accept_length": 2.0, "spec_rounds": (n - 1) // 2, "spec_accepted": 3}
@@ -220,5 +228,9 @@ def test_jsonl_schema_against_a_fake_server(tmp_path: Path) -> None:
     assert row["per_position_acceptance"] == [0.9, 0.8]
     assert row["verify_tokens_per_request"] == pytest.approx(1 + 12 / 4)
     assert row["server_accept_length"] == 3.5
+    assert row["server_capacity"] == {
+        "decode0": {"version": 3, "observed": 96, "drift_events": 0, "mape": 0.08,
+                    "model": CAPACITY["profile"]["model"]}
+    }  # fmt: skip
     assert rec["model_id"] == "tiny" and rec2["completed"] == 6
     assert "Serving Benchmark Result" in serving.format_summary(rec)
