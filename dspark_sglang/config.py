@@ -231,10 +231,16 @@ class DraftConfig:
     # Where the drafter's cost grows with its batch (CPU; a compute-bound GPU drafter at large R)
     # a few confident requests can pay for drafting when the whole batch does not.
     selective_draft: bool = True
+    # selective lagged with live capacity: draft the whole batch at an R whose drafter price no
+    # drafting step has tested while it is priced within this share of the best plan (0 = never;
+    # docs/scheduler.md "Exploring an untested drafter price")
+    explore_ratio: float = 0.75
 
     def __post_init__(self) -> None:
         if self.min_user_tps < 0:
             raise ConfigError("--min-user-tps must be >= 0")
+        if not 0.0 <= self.explore_ratio <= 1.0:
+            raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
         if self.startup_profile_seconds <= 0:
             raise ConfigError("--startup-profile-seconds must be positive")
         if self.speculative_algorithm not in ("dspark", "none"):

@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the drafter priced by its rows)",
     )
     a(
+        "--explore-ratio",
+        type=float,
+        default=dc.explore_ratio,
+        help="lagged mode: draft the whole batch where the drafter's price at that batch size is "
+        "untested and priced within this share of the best plan (0 = never; default %(default)s)",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -206,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             min_user_tps=args.min_user_tps,
             overlap=args.overlap,
             selective_draft=args.selective_draft,
+            explore_ratio=args.explore_ratio,
         ),
         seed=args.seed,
         parallel=parallel,

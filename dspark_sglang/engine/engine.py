@@ -196,6 +196,7 @@ class LLMEngine:
             cfg.min_user_tps,
             overlap,
             cfg.selective_draft,
+            cfg.explore_ratio,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

@@ -132,10 +132,12 @@ class VerifyPlanner:
         min_user_tps: float,
         overlap: bool,
         selective: bool = False,
+        explore_ratio: float = EXPLORE_RATIO,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
         self.selective = selective and mode.name == "lagged" and capacity is not None
+        self.explore_ratio = explore_ratio
         self.capacity = capacity
         self.estimator = LiveEstimator(capacity) if capacity is not None and live else None
         self.min_user_tps = min_user_tps
@@ -401,7 +403,9 @@ class VerifyPlanner:
     def _explore(self, r: int) -> bool:
         """Whether the drafter's price at R is untested (EXPLORE_RATIO)."""
         est = self.estimator
-        return self.selective and est is not None and est.drafts_timed(r) < CAP_MIN_RECORDS
+        if not self.selective or est is None or self.explore_ratio <= 0.0:
+            return False
+        return est.drafts_timed(r) < CAP_MIN_RECORDS
 
     def _k_key(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[object, ...]:
         lag = self.mode.lag
@@ -481,7 +485,7 @@ class VerifyPlanner:
                 k_all, _, theta_all = selective_k(
                     surv, sps, every, min_len=once, max_len=max_len, min_user_tps=tps
                 )
-            if k_all > 0 and theta_all >= EXPLORE_RATIO * theta:
+            if k_all > 0 and theta_all >= self.explore_ratio * theta:
                 return k_all, np.arange(ids.size)
         return k, rows
 

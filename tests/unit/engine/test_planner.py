@@ -343,10 +343,11 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
     of decoding plainly (K = 8 at B = 16), so K = 0 is the best plan. While no drafting step timed
     the drafter at R = 8 the whole batch is drafted anyway (within EXPLORE_RATIO), once
     CAP_MIN_RECORDS did, K = 0; a drafter priced far above the plain step (0.68 of it) is not
-    explored; and without a live estimator nothing is."""
+    explored; and without a live estimator, or with --explore-ratio 0, nothing is."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
     from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.config import ConfigError, DraftConfig
     from dspark_sglang.engine.planner import EXPLORE_RATIO, VerifyPlanner
     from dspark_sglang.types import StepRecord
 
@@ -355,10 +356,9 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
     mode = parse_schedule_mode("lagged")
     ids, max_len, logits = list(range(8)), np.full(8, 4), np.zeros((8, 4))
 
-    def planner(draft: Curve, live: bool = True) -> VerifyPlanner:
-        p = VerifyPlanner(
-            mode, 4, CapacityModel(table, draft=draft), None, live, 0.0, overlap, True
-        )
+    def planner(draft: Curve, live: bool = True, ratio: float = EXPLORE_RATIO) -> VerifyPlanner:
+        cap = CapacityModel(table, draft=draft)
+        p = VerifyPlanner(mode, 4, cap, None, live, 0.0, overlap, True, ratio)
         for _ in range(2):  # every row drafted and verified: lagged survival 0.5, 0.25, …
             p.plan(ids, logits, max_len, 80, 0)
         p.skip(ids, max_len, 80)  # plans the next K (on the thread, with overlap)
@@ -383,3 +383,9 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
     fixed = planner(cheap, live=False)
     assert fixed.budget(ids, max_len, 80) == 0
     fixed.close()
+    off = planner(cheap, ratio=0.0)  # --explore-ratio 0
+    assert off.budget(ids, max_len, 80) == 0
+    off.close()
+    assert DraftConfig().explore_ratio == EXPLORE_RATIO  # the server's default is the planner's
+    with pytest.raises(ConfigError, match="--explore-ratio"):
+        DraftConfig(explore_ratio=1.5)
