@@ -163,6 +163,7 @@ class LLMEngine:
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
         self._draft_seconds = 0.0
         self._draft_rows = 0
+        self._draft_backlog = False  # this step's drafter flushed more than one step's rows
         self._forward_seconds = math.nan
         self._planned_ids: frozenset[int] = frozenset()
         # verified rows (taps, positions, slots) not yet projected into the drafter's context
@@ -329,7 +330,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._last_plan, self._draft_seconds, self._planned_ids = None, 0.0, frozenset()
-        self._draft_rows = 0
+        self._draft_rows, self._draft_backlog = 0, False
         self._forward_seconds = math.nan
         proposal, drafts = self._draft()
         plan = self.scheduler.schedule(drafts)
@@ -403,6 +404,9 @@ class LLMEngine:
                 ready = [ready[i] for i in keep]
                 ids, max_len = [ids[i] for i in keep], max_len[keep]
                 ctx = sum(s.num_tokens for s in ready)
+        # More pending context rows than one drafting step verifies (a prompt's, or skipped
+        # steps'): this drafter run prices no step the planner chooses between (draft_resumed).
+        self._draft_backlog = self._pending_rows > len(self._planned_ids) * (self.gamma + 1)
         t0 = time.perf_counter()
         self._flush_draft_context()
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
@@ -552,7 +556,7 @@ class LLMEngine:
             forward_seconds=self._forward_seconds,
             num_draft_reqs=self._draft_rows,
             probe=p is not None and p.probe,
-            draft_resumed=p is not None and p.resumed,
+            draft_resumed=p is not None and (p.resumed or self._draft_backlog),
             num_accepted=sum(accepted.values()),
         )
         if self.planner is not None and p is not None:

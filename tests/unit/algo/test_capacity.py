@@ -824,7 +824,8 @@ def test_a_fixed_drafting_cost_is_not_multiplied_into_the_rs_not_drafted_yet() -
 
 def test_drafting_records_count_by_r_bin() -> None:
     """A full batch wanders by a few requests; its drafting records count together (r_bin), so
-    the line through the R bins seen reads them as one point once CAP_MIN_RECORDS are in."""
+    the line through the R bins seen reads them as one point once CAP_MIN_RECORDS are in, and
+    an R counts the records of its bin and every larger one (drafts_timed)."""
     from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, r_bin
 
     assert [r_bin(r) for r in range(1, 17)] == list(range(1, 17))
@@ -840,4 +841,6 @@ def test_drafting_records_count_by_r_bin() -> None:
             )
         )
     assert est.drafts_timed(64) == CAP_MIN_RECORDS == 4
-    assert est.drafts_timed(60) == 0
+    # an R below a timed bin is interpolated, not extrapolated: it counts the bins above it
+    assert est.drafts_timed(60) == est.drafts_timed(8) == 4
+    assert est.drafts_timed(65) == 0  # r_bin 72: above every timed R

@@ -716,3 +716,22 @@ def test_draft_batch_slots_are_the_block_tables_positions() -> None:
             want = slots(s.block_table, 0, n, ps) + [0] * (lmax - n)
             assert b.ctx_slots[r].tolist() == want
             assert b.ctx_mask[r].tolist() == [True] * n + [False] * (lmax - n)
+
+
+def test_a_drafter_run_that_flushes_a_prompt_backlog_prices_no_step(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The first drafting step after the prompts' prefill projects every prompt row into the
+    drafter's context: its drafter time is the prompts', not a step's, so its record says so
+    (`draft_resumed`, which the live estimator does not learn the draft price from); the
+    drafting steps that follow, each flushing one step's verified rows, do not."""
+    ps = prompts(3, seed=5)
+    spec = lagged_on_fixed_curve(pair, tmp_path, 0.0)  # a free drafter: K > 0 every step
+    recs: list[StepRecord] = []
+    spec.on_step = recs.append
+    spec.generate(ps, SamplingParams(temperature=0.0, max_tokens=12))
+    drafting = [r for r in recs if r.draft_seconds > 0.0 and not r.num_prefill_tokens]
+    assert len(drafting) >= 3 and not any(r.probe for r in drafting)
+    assert drafting[0].draft_resumed  # the prompts' rows: more than 3 x (gamma + 1)
+    assert not any(r.draft_resumed for r in drafting[1:])
+    spec.close()
