@@ -70,7 +70,8 @@ LOAD_SHIFT = 2
 POOL_ROWS, POOL_MIN = 256, 16
 # Selective lagged: the whole batch is drafted, though priced below the best plan, while it is
 # priced within EXPLORE_RATIO of it and fewer than CAP_MIN_RECORDS drafting steps timed the
-# drafter at this R (capacity_fit.r_bin). A price never tested is never corrected: the planner
+# drafter at this R's bin or a larger one (capacity_fit.r_bin; below a timed R the price is
+# interpolated; `--explore-ratio`, 0 = never). A price never tested is never corrected: the planner
 # declines what it prices dear and so never times it. Served, 2026-12-02 (sweep 31a9224): at
 # c = 64 lagged priced a whole-batch drafting step 21-43 % above what it took (sync drafted every
 # step there and realised 850 tok/s over full-load steps against lagged's plain 752), because
