@@ -31,6 +31,9 @@ from dspark_sglang.types import StepRecord
 log = logging.getLogger(__name__)
 MAX_DRAIN = 256  # messages handled between two engine steps
 PARENT_ENV = "DSPARK_PARENT_PID"  # set by launch: exit when that process is gone
+# The capacity model goes out again at least this often when it has not changed: a restarted
+# router has none until then (an idle decode worker publishes no new version).
+CAPACITY_RESEND_S = 10.0
 
 
 class Refused(SystemExit):
@@ -53,7 +56,7 @@ class WorkerLink:
         self.boot = secrets.randbits(62)
         self.hand = self._handshake(cfg)
         self._next_beat = 0.0
-        self._capacity_sent = -1  # version of the capacity model the router has
+        self._capacity_sent = (-1, 0.0)  # (version, monotonic time) last sent to the router
         self._parent = int(os.environ.get(PARENT_ENV, "0"))
         log.info("%s serving on %s", self.name, addrs[index])
 
@@ -128,14 +131,17 @@ class WorkerLink:
             self._step_log.flush()
 
     def _capacity(self) -> dict[str, Any] | None:
-        """The planner's capacity model for GET /capacity, once per published version (none
-        without a capacity-driven schedule). Built at a beat, not at each publish: validating the
-        profile takes a fraction of a millisecond the step loop need not pay 32 records apart."""
+        """The planner's capacity model for GET /capacity, once per published version and at
+        least every CAPACITY_RESEND_S (none without a capacity-driven schedule). Built at a beat,
+        not at each publish: validating the profile takes a fraction of a millisecond the step
+        loop need not pay 32 records apart."""
         planner = self.engine.planner if self.role == "decode" else None
         model = planner.capacity if planner is not None else None
-        if model is None or model.version == self._capacity_sent:
+        version, at = self._capacity_sent
+        now = time.monotonic()
+        if model is None or (model.version == version and now - at < CAPACITY_RESEND_S):
             return None
-        self._capacity_sent = model.version
+        self._capacity_sent = (model.version, now)
         est, cfg = planner.estimator, self.full_cfg
         mape = est.mape if est is not None else math.nan
         source = "live estimator" if est is not None else "profile (live updates off)"
