@@ -39,8 +39,42 @@ QUICK = {"policies": ("no-spec", "fixed:3", "lagged"), "concurrency": (1, 4, 16)
 FIXED = ("mtp1", "verify-all")  # plus every fixed:N
 
 
-def server_command(args: argparse.Namespace, policy: str, slot: int = 0) -> list[str]:
-    """`slot` i serves on port + i and zmq-port + 10·i (interleaved sweeps run one per policy)."""
+def base_policy(label: str) -> str:
+    """`POLICY@VARIANT` -> POLICY: a variant is its base policy with the flags --variant names."""
+    return label.partition("@")[0]
+
+
+def parse_variants(specs: Sequence[str]) -> dict[str, list[str]]:
+    """--variant NAME='--flag value ...' -> {NAME: flags}; ValueError naming --variant."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or "@" in name or "," in name:
+            raise ValueError(
+                f"--variant {spec!r}: expected NAME='--flag ...' (NAME without @ or ,)"
+            )
+        if name in out:
+            raise ValueError(f"--variant {name!r} given twice")
+        out[name] = shlex.split(flags)
+    return out
+
+
+def check_policies(policies: Sequence[str], variants: dict[str, list[str]]) -> None:
+    """Every `POLICY@VARIANT` label names a --variant, and no label repeats; ValueError."""
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"--policies {','.join(policies)}: a policy is listed twice")
+    for label in policies:
+        base, at, name = label.partition("@")
+        if not base:
+            raise ValueError(f"--policies: {label!r} has no policy before @")
+        if at and name not in variants:
+            raise ValueError(f"--policies: {label!r} names variant {name!r}, no --variant {name}=")
+
+
+def server_command(args: argparse.Namespace, label: str, slot: int = 0) -> list[str]:
+    """`slot` i serves on port + i and zmq-port + 10·i (interleaved sweeps run one per policy).
+    A label `POLICY@VARIANT` starts POLICY with the variant's flags last (they win)."""
+    policy, _, variant = label.partition("@")
     port, zmq_port = args.port + slot, args.zmq_port + 10 * slot
     cmd = [sys.executable, "-m", "dspark_sglang.launch_server", "--role", "all"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--zmq-port", str(zmq_port)]
@@ -59,7 +93,8 @@ def server_command(args: argparse.Namespace, policy: str, slot: int = 0) -> list
                 cmd += ["--startup-profile-seconds", str(args.startup_profile_seconds)]
     cmd += ["--max-running-requests", str(max(args.concurrency))]
     # {policy} lets per-deployment outputs (--step-log DIR) go to one folder per policy
-    return cmd + shlex.split(args.server_args.replace("{policy}", policy))
+    cmd += shlex.split(args.server_args.replace("{policy}", label))
+    return cmd + (parse_variants(args.variant)[variant] if variant else [])
 
 
 class Server:
@@ -128,7 +163,28 @@ def bench_args(args: argparse.Namespace, policy: str, c: int, slot: int = 0) -> 
 
 
 def _is_rival(policy: str) -> bool:
+    """No-spec and the fixed policies, as given (a variant of one is not the one the goal names)."""
+    if "@" in policy:
+        return False
     return policy == "no-spec" or policy in FIXED or policy.startswith("fixed:")
+
+
+def variant_ratios(
+    raw: Sequence[dict[str, Any]], key: str = "output_throughput"
+) -> dict[str, dict[int, list[float]]]:
+    """Per `POLICY@VARIANT` label and c: its throughput over POLICY's within each pass (a same-run
+    A/B of the variant's flags)."""
+    by: dict[tuple[int, int], dict[str, float]] = {}
+    for r in raw:
+        if r.get(key) is not None:
+            by.setdefault((r["concurrency"], r.get("pass", 0)), {})[r["policy"]] = r[key]
+    out: dict[str, dict[int, list[float]]] = {}
+    for (c, _), tps in sorted(by.items()):
+        for label, v in tps.items():
+            base = base_policy(label)
+            if base != label and tps.get(base, 0.0) > 0:
+                out.setdefault(label, {}).setdefault(c, []).append(v / tps[base])
+    return out
 
 
 def paired_ratios(
@@ -223,6 +279,15 @@ def analyse(
             out["lagged_matched_speedup_min"] = min(x["speedup"] for x in m)
             out["lagged_matched_speedup_max"] = max(x["speedup"] for x in m)
             out["lagged_matched_speedup_ge_1.6"] = min(x["speedup"] for x in m) >= 1.6
+    ab = variant_ratios(raw)
+    if ab:
+        out["variant_vs_base"] = {
+            label: {
+                str(c): {"paired_ratios": v, "paired_median": float(statistics.median(v))}
+                for c, v in per_c.items()
+            }
+            for label, per_c in ab.items()
+        }
     anchors: dict[str, Any] = {}
     for a in sla:
         anchors[str(a)] = {p: throughput_at_sla(f, a) for p, f in fronts.items()}
@@ -250,6 +315,12 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
     for title, k in (("whole run", "per_concurrency"), ("steady window", "steady_per_concurrency")):
         if goals.get(k):
             _print_goal(title, goals[k])
+    for label, per_c in goals.get("variant_vs_base", {}).items():
+        s = ", ".join(
+            f"c={c} {x['paired_median']:.3f} ({' / '.join(f'{v:.3f}' for v in x['paired_ratios'])})"
+            for c, x in per_c.items()
+        )
+        print(f"{label} / {base_policy(label)} per pass, median (each pass): {s}")
     for p, m in goals.get("matched_throughput_speedup_vs_nospec", {}).items():
         s = ", ".join(f"{x['throughput']:.0f} tok/s: {x['speedup']:.2f}x" for x in m)
         print(f"per-user speed-up vs no-spec at matched throughput, {p}: {s or '-'}")
@@ -411,6 +482,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra launch_server flags ({policy} becomes the deployment's policy); "
         "pass as --server-args='--flag ...'",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME='--flag ...'",
+        help="launch_server flags a policy label POLICY@NAME adds to POLICY's, e.g. --policies "
+        "lagged,lagged@noexp --variant noexp='--explore-ratio 0': a same-run A/B (reported as "
+        "the per-pass ratio to POLICY); the goal ratios read the plain policies only",
+    )
     ap.add_argument("--port", type=int, default=30400)
     ap.add_argument("--zmq-port", type=int, default=30500)
     ap.add_argument("--ready-timeout", type=float, default=300.0)
@@ -449,6 +529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output_len = min(args.output_len, 64)
     args.policies = args.policies or POLICIES
     args.concurrency = args.concurrency or CONCURRENCY
+    try:
+        check_policies(args.policies, parse_variants(args.variant))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = args.out_dir / f"{args.name}.jsonl"
     old: list[dict[str, Any]] = []

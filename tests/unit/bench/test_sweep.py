@@ -150,3 +150,49 @@ def test_interleaved_sweep_runs_one_server_per_policy_and_alternates_the_order(
     assert [c for *_, c in measured] == [1] * 3 + [4] * 3 + [1] * 3 + [4] * 3
     rows = (tmp_path / "s.jsonl").read_text().splitlines()
     assert len(rows) == 12
+
+
+def test_a_variant_is_its_policy_with_more_flags_and_is_reported_against_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lagged@noexp` with --variant noexp='--explore-ratio 0' starts lagged's server with the
+    flags last; the report gives its per-pass ratio to lagged; the goal still reads `lagged`
+    (a variant of a rival is no rival). A label naming no variant is an error naming the flag."""
+    a = _args("--capacity-profile", "p.yaml", "--variant", "noexp=--explore-ratio 0",
+              "--server-args=--step-log out/{policy}")  # fmt: skip
+    cmd = sweep.server_command(a, "lagged@noexp", 1)
+    assert cmd[cmd.index("--schedule-mode") + 1] == "lagged"
+    assert cmd[cmd.index("--capacity-profile") + 1] == "p.yaml"
+    assert cmd[-4:] == ["--step-log", "out/lagged@noexp", "--explore-ratio", "0"]
+    assert cmd[cmd.index("--port") + 1] == str(a.port + 1)
+    raw = [
+        _row("fixed:3", 1, 100.0, 1.0) | {"pass": 0},
+        _row("lagged", 1, 100.0, 1.0) | {"pass": 0},
+        _row("lagged@noexp", 1, 90.0, 1.0) | {"pass": 0},
+        _row("fixed:3@x", 1, 200.0, 1.0) | {"pass": 0},
+        _row("fixed:3", 1, 120.0, 1.0) | {"pass": 1},
+        _row("lagged", 1, 110.0, 1.0) | {"pass": 1},
+        _row("lagged@noexp", 1, 121.0, 1.0) | {"pass": 1},
+        _row("fixed:3@x", 1, 200.0, 1.0) | {"pass": 1},
+    ]
+    assert sweep.variant_ratios(raw) == {
+        "lagged@noexp": {1: [0.9, pytest.approx(1.1)]},
+        "fixed:3@x": {1: [2.0, pytest.approx(200 / 120)]},
+    }
+    rows = sweep.aggregate(raw)
+    g = sweep.analyse(rows, ["fixed:3", "lagged", "lagged@noexp", "fixed:3@x"], (1.0,), raw)
+    (per,) = g["per_concurrency"]
+    assert per["best_rival"] == "fixed:3" and per["paired_ratios"] == [
+        1.0,
+        pytest.approx(110 / 120),
+    ]
+    assert g["variant_vs_base"]["lagged@noexp"]["1"]["paired_median"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no --variant other="):
+        sweep.check_policies(["lagged", "lagged@other"], {"noexp": []})
+    with pytest.raises(ValueError, match="twice"):
+        sweep.check_policies(["lagged", "lagged"], {})
+    with pytest.raises(ValueError, match="--variant"):
+        sweep.parse_variants(["noexp"])
+    argv = ["--policies", "lagged,lagged@nope", "--out-dir", str(tmp_path)]
+    assert sweep.main(argv) == 2
+    assert "lagged@nope" in capsys.readouterr().err
