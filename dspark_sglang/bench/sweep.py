@@ -59,15 +59,18 @@ def parse_variants(specs: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def check_policies(policies: Sequence[str], variants: dict[str, list[str]]) -> None:
-    """Every `POLICY@VARIANT` label names a --variant, and no label repeats; ValueError."""
+def check_policies(
+    policies: Sequence[str], variants: dict[str, list[str]], need_flags: bool = True
+) -> None:
+    """No label repeats and, when servers will start (`need_flags`), every `POLICY@VARIANT`
+    label names a --variant; ValueError."""
     if len(set(policies)) != len(policies):
         raise ValueError(f"--policies {','.join(policies)}: a policy is listed twice")
     for label in policies:
         base, at, name = label.partition("@")
         if not base:
             raise ValueError(f"--policies: {label!r} has no policy before @")
-        if at and name not in variants:
+        if at and need_flags and name not in variants:
             raise ValueError(f"--policies: {label!r} names variant {name!r}, no --variant {name}=")
 
 
@@ -527,18 +530,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.min_prompts = min(args.min_prompts, 6)
         args.prompts_per_concurrency = min(args.prompts_per_concurrency, 2)
         args.output_len = min(args.output_len, 64)
-    args.policies = args.policies or POLICIES
-    args.concurrency = args.concurrency or CONCURRENCY
-    try:
-        check_policies(args.policies, parse_variants(args.variant))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = args.out_dir / f"{args.name}.jsonl"
     old: list[dict[str, Any]] = []
     if (args.replot or args.append) and jsonl.is_file():
         old = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
+    if args.replot and args.policies is None:  # every policy and variant the file holds
+        seen = {r["policy"] for r in old}
+        args.policies = tuple(p for p in POLICIES if p in seen) + tuple(
+            sorted(seen - set(POLICIES))
+        )
+    args.policies = args.policies or POLICIES
+    args.concurrency = args.concurrency or CONCURRENCY
+    try:  # a replot starts no server: a variant's flags need not be given again
+        check_policies(args.policies, parse_variants(args.variant), need_flags=not args.replot)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     raw = list(old)
     if not args.replot:
         log_path = args.out_dir / f"{args.name}_server.log"

@@ -196,3 +196,13 @@ def test_a_variant_is_its_policy_with_more_flags_and_is_reported_against_it(
     argv = ["--policies", "lagged,lagged@nope", "--out-dir", str(tmp_path)]
     assert sweep.main(argv) == 2
     assert "lagged@nope" in capsys.readouterr().err
+    # a replot starts no server: without --policies it reads every label the file holds, and
+    # needs no --variant
+    (tmp_path / "v.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    assert sweep.main(["--replot", "--out-dir", str(tmp_path), "--name", "v"]) == 0
+    summary = json.loads((tmp_path / "v_summary.json").read_text())
+    assert summary["policies"] == ["fixed:3", "lagged", "fixed:3@x", "lagged@noexp"]
+    assert summary["goals"]["variant_vs_base"]["lagged@noexp"]["1"]["paired_ratios"] == [
+        0.9,
+        pytest.approx(1.1),
+    ]
