@@ -273,7 +273,9 @@ def profile_from_report(
             "date": report.get("date", dt.date.today().isoformat()),
             "version": tool_version(),
             "notes": f"{len(points)} points, {len(draft_points)} drafter points, dtype "
-            f"{report.get('dtype')}, device {report.get('device')}, torch {report.get('torch')}; "
+            f"{report.get('dtype')}"
+            + (f", drafter {report['draft_dtype']}" if "draft_dtype" in report else "")
+            + f", device {report.get('device')}, torch {report.get('torch')}; "
             f"fit_{kind} in algo/capacity_fit",
         },
     }

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-parallel processes per worker, each owning 1/N of the experts (MoE targets)",
     )
     a("--dtype", choices=DTYPES, default="float32")
+    a(
+        "--draft-dtype",
+        choices=("auto", *DTYPES),
+        default=dc.draft_dtype,
+        help="the drafter's weights and context K/V (auto: bfloat16 on a CPU with native bf16 "
+        "under a float32 target, else --dtype)",
+    )
     a("--device", default="cpu")
     a("--max-model-len", type=int)
     a("--page-size", type=int, default=_defaults(CacheConfig).page_size)
@@ -214,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overlap=args.overlap,
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,
+            draft_dtype=args.draft_dtype,
         ),
         seed=args.seed,
         parallel=parallel,

@@ -37,8 +37,9 @@ from dspark_sglang.engine.profiler import (
     time_point,
     warm_up,
 )
-from dspark_sglang.engine.runner import ModelRunner
+from dspark_sglang.engine.runner import ModelRunner, draft_dtype
 from dspark_sglang.models.attention import create_backend
+from dspark_sglang.models.loader import torch_dtype
 from dspark_sglang.models.target import Qwen3ForCausalLM
 
 SYNTHETIC_NAME = "synthetic:tiny-moe"
@@ -135,7 +136,11 @@ def profile(
             f"--context-len {max(args.context_len)} plus {1 + max(args.verify_lens)} new tokens "
             f"exceeds the model's max_position_embeddings {limit}"
         )
-    draft_cfg = DraftConfig(path=args.draft_model_path) if args.draft_model_path else None
+    draft_cfg = (
+        DraftConfig(path=args.draft_model_path, draft_dtype=args.draft_dtype)
+        if args.draft_model_path
+        else None
+    )
     runner = ModelRunner(
         ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg, draft_cfg
     )
@@ -233,6 +238,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "model's draft term, written into --write-profile",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
+    p.add_argument(
+        "--draft-dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="the drafter's weights and context K/V (auto: bfloat16 on a CPU with native bf16 "
+        "under a float32 target, else --dtype)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
     p.add_argument("--output", metavar="FILE", help="also write the JSON to this file")
@@ -335,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.draft_model_path:
         report["drafter"] = args.draft_model_path
+        report["draft_dtype"] = str(
+            draft_dtype(args.draft_dtype, torch_dtype(args.dtype), args.device)
+        ).removeprefix("torch.")
         report["draft_points"] = draft_points
     if args.device.startswith("cuda"):
         report["hardware"]["gpu"] = torch.cuda.get_device_name(args.device)

@@ -153,18 +153,22 @@ def read_draft_arch(path: str | Path) -> DraftArch:
         raise ConfigError(f"{cfg} is not valid JSON: {e}") from None
 
 
-def load_drafter(path: str | Path, target: Qwen3ForCausalLM) -> DSparkDrafter:
+def load_drafter(
+    path: str | Path, target: Qwen3ForCausalLM, dtype: torch.dtype | None = None
+) -> DSparkDrafter:
     """A DeepSpec-layout drafter folder; embedding and LM head alias the target's when absent.
 
     Released DeepSpec checkpoints store frozen copies of both (deepspec_spec.md §2.3); they are
-    loaded as stored. Weights take the target's dtype and device.
+    loaded as stored. Weights take `dtype` (default: the target's) and the target's device; a
+    drafter in another dtype than the target gets its own converted copy of what it aliases.
     """
     cfg = read_draft_arch(path)
     cfg.check_target(target.cfg)
     p = target.lm_head.weight
+    dtype = p.dtype if dtype is None else dtype
     with torch.device("meta"):
         model = DSparkDrafter(cfg)
-    model = model.to_empty(device=p.device).to(p.dtype)
+    model = model.to_empty(device=p.device).to(dtype)
     sd = read_state_dict(Path(path))
     params = dict(model.named_parameters())
     for name, src in (
@@ -173,7 +177,10 @@ def load_drafter(path: str | Path, target: Qwen3ForCausalLM) -> DSparkDrafter:
     ):
         if name not in sd:
             module = model.embed_tokens if name.startswith("embed") else model.lm_head
-            module.weight = src.weight
+            if src.weight.dtype == dtype:
+                module.weight = src.weight
+            else:
+                module.weight = torch.nn.Parameter(src.weight.detach().to(dtype), False)
             params.pop(name)
     _copy_checked(params, sd)
     return model.eval()

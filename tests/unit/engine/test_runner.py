@@ -1,0 +1,98 @@
+"""ModelRunner: the drafter's dtype (resolution, its own copies, handed-off context)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_sglang import LLM, SamplingParams
+from dspark_sglang.config import ConfigError, DraftConfig
+from dspark_sglang.engine import runner as runner_mod
+from dspark_sglang.engine.runner import draft_dtype, native_bf16
+from dspark_sglang.models.row_buckets import RowBucketedLinear
+from tests.conftest import VOCAB, write_drafter, write_hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    target = write_hf_model(root / "target", moe=True)
+    return target, write_drafter(root / "drafter", target, block_size=5)
+
+
+def test_native_bf16_reads_the_cpu_flags(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert not native_bf16("cpu", str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
+    assert native_bf16("cpu", str(info))
+    info.write_text("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert native_bf16("cpu", str(info))
+    assert not native_bf16("cpu", str(tmp_path / "absent"))  # not Linux: keep the target's
+    assert not native_bf16("cuda:0", str(info))  # GPUs: the target's dtype
+
+
+def test_auto_draft_dtype_is_bf16_only_under_fp32_on_native_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert draft_dtype("float32", torch.bfloat16, "cpu") == torch.float32
+    assert draft_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    for native in (True, False):
+        monkeypatch.setattr(runner_mod, "native_bf16", lambda device, n=native: n)
+        assert draft_dtype("auto", torch.float32, "cpu") == (
+            torch.bfloat16 if native else torch.float32
+        )
+        assert draft_dtype("auto", torch.float16, "cpu") == torch.float16
+    with pytest.raises(ConfigError, match="--draft-dtype"):
+        DraftConfig(draft_dtype="fp8")
+
+
+def test_a_bf16_drafter_owns_bf16_copies_and_stays_lossless(pair: tuple[Path, Path]) -> None:
+    """A bf16 drafter under an fp32 target: its own bf16 embedding and LM head (not the
+    target's tensors), a bf16 context pool, and greedy output identical to plain decoding."""
+    target, drafter = pair
+    ps = [[(7 * i + j) % VOCAB for j in range(3 + i)] for i in range(6)]
+    base = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    spec = LLM(
+        str(target), draft_model=str(drafter), num_blocks=128, page_size=4, draft_dtype="bfloat16"
+    )
+    d, t = spec.runner.drafter, spec.runner.model
+    assert d is not None and spec.runner.draft_dtype == torch.bfloat16
+    assert {p.dtype for p in d.parameters()} == {torch.bfloat16}
+    assert t.lm_head.weight.dtype == torch.float32
+    assert d.lm_head.weight.data_ptr() != t.lm_head.weight.data_ptr()
+    torch.testing.assert_close(d.lm_head.weight.float(), t.lm_head.weight, atol=1e-2, rtol=1e-2)
+    assert all(k.dtype == torch.bfloat16 for kv in spec.runner.draft_kv for k in kv)
+    linears = [m for m in d.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is RowBucketedLinear for m in linears)  # bounded kernels
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert spec.stats.rounds > 0 and spec.stats.accepted > 0
+
+
+def test_a_float32_drafter_keeps_plain_linears(pair: tuple[Path, Path]) -> None:
+    target, drafter = pair
+    spec = LLM(str(target), draft_model=str(drafter), num_blocks=16, draft_dtype="float32")
+    assert spec.runner.drafter is not None
+    assert all(type(m) is not RowBucketedLinear for m in spec.runner.drafter.modules())
+
+
+def test_handed_off_fp32_context_is_written_in_the_drafters_dtype(pair: tuple[Path, Path]) -> None:
+    """A prefill worker in another draft dtype hands off fp32 C: the decode side's bf16 pool
+    gets exactly the K/V of C cast to bf16."""
+    target, drafter = pair
+    spec = LLM(
+        str(target), draft_model=str(drafter), num_blocks=16, page_size=4, draft_dtype="bfloat16"
+    )
+    r = spec.runner
+    assert r.drafter is not None
+    c = torch.randn(5, r.drafter.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos, slots = torch.arange(5), torch.tensor([8, 9, 10, 11, 12])
+    r.write_draft_context(c, pos, slots)
+    want = r.drafter.context_kv(c.bfloat16(), pos)
+    for (k_cache, v_cache), (k, v) in zip(r.draft_kv, want, strict=True):
+        assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
