@@ -235,10 +235,10 @@ class DraftConfig:
     # drafting step has tested while it is priced within this share of the best plan (0 = never;
     # docs/scheduler.md "Exploring an untested drafter price")
     explore_ratio: float = 0.75
-    # The drafter's weights and context K/V. auto = bfloat16 on a CPU with native bf16 matrix
-    # instructions under a float32 target (its batched GEMMs run 4-5x faster there: drafter
-    # 22.5 -> 14.3 ms a step at R = 64, docs/engine.md), else the target's dtype. Any dtype is
-    # lossless: the verifier divides by the q the drafts were drawn from.
+    # The drafter's weights and context K/V. auto = the target's dtype, except that an fp32
+    # target on a CPU with native bf16 matrix instructions gets bf16 products of 16 rows or more
+    # (4-5x faster GEMMs there: served drafter 44.4 -> 28.1 ms a pass at R = 64; docs/engine.md).
+    # Any precision is lossless: the verifier divides by the q the drafts were drawn from.
     draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:

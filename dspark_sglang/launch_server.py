@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-dtype",
         choices=("auto", *DTYPES),
         default=dc.draft_dtype,
-        help="the drafter's weights and context K/V (auto: bfloat16 on a CPU with native bf16 "
-        "under a float32 target, else --dtype)",
+        help="the drafter's weights and context K/V (auto: --dtype, with bf16 products of 16 "
+        "rows or more on a CPU with native bf16 under a float32 target)",
     )
     a("--device", default="cpu")
     a("--max-model-len", type=int)

@@ -37,7 +37,7 @@ from dspark_sglang.engine.profiler import (
     time_point,
     warm_up,
 )
-from dspark_sglang.engine.runner import ModelRunner, draft_dtype
+from dspark_sglang.engine.runner import ModelRunner, draft_precision
 from dspark_sglang.models.attention import create_backend
 from dspark_sglang.models.loader import torch_dtype
 from dspark_sglang.models.target import Qwen3ForCausalLM
@@ -242,8 +242,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--draft-dtype",
         choices=("auto", *DTYPES),
         default="auto",
-        help="the drafter's weights and context K/V (auto: bfloat16 on a CPU with native bf16 "
-        "under a float32 target, else --dtype)",
+        help="the drafter's weights and context K/V (auto: --dtype, with bf16 products of 16 "
+        "rows or more on a CPU with native bf16 under a float32 target)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
@@ -347,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.draft_model_path:
         report["drafter"] = args.draft_model_path
-        report["draft_dtype"] = str(
-            draft_dtype(args.draft_dtype, torch_dtype(args.dtype), args.device)
-        ).removeprefix("torch.")
+        dt, gemm = draft_precision(args.draft_dtype, torch_dtype(args.dtype), args.device)
+        report["draft_dtype"] = str(dt).removeprefix("torch.") + (
+            f" ({str(gemm).removeprefix('torch.')} products of >= 16 rows)" if gemm else ""
+        )
         report["draft_points"] = draft_points
     if args.device.startswith("cuda"):
         report["hardware"]["gpu"] = torch.cuda.get_device_name(args.device)

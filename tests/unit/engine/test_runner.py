@@ -10,7 +10,7 @@ import torch
 from dspark_sglang import LLM, SamplingParams
 from dspark_sglang.config import ConfigError, DraftConfig
 from dspark_sglang.engine import runner as runner_mod
-from dspark_sglang.engine.runner import draft_dtype, native_bf16
+from dspark_sglang.engine.runner import draft_precision, native_bf16
 from dspark_sglang.models.row_buckets import RowBucketedLinear
 from tests.conftest import VOCAB, write_drafter, write_hf_model
 
@@ -36,19 +36,39 @@ def test_native_bf16_reads_the_cpu_flags(tmp_path: Path) -> None:
     assert not native_bf16("cuda:0", str(info))  # GPUs: the target's dtype
 
 
-def test_auto_draft_dtype_is_bf16_only_under_fp32_on_native_bf16(
+def test_auto_draft_dtype_uses_bf16_products_only_under_fp32_on_native_bf16(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert draft_dtype("float32", torch.bfloat16, "cpu") == torch.float32
-    assert draft_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    assert draft_precision("float32", torch.bfloat16, "cpu") == (torch.float32, None)
+    assert draft_precision("bfloat16", torch.float32, "cpu") == (torch.bfloat16, None)
     for native in (True, False):
         monkeypatch.setattr(runner_mod, "native_bf16", lambda device, n=native: n)
-        assert draft_dtype("auto", torch.float32, "cpu") == (
-            torch.bfloat16 if native else torch.float32
+        assert draft_precision("auto", torch.float32, "cpu") == (
+            (torch.float32, torch.bfloat16) if native else (torch.float32, None)
         )
-        assert draft_dtype("auto", torch.float16, "cpu") == torch.float16
+        assert draft_precision("auto", torch.float16, "cpu") == (torch.float16, None)
     with pytest.raises(ConfigError, match="--draft-dtype"):
         DraftConfig(draft_dtype="fp8")
+
+
+def test_auto_on_native_bf16_keeps_an_fp32_drafter_with_bf16_batched_products(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_mod, "native_bf16", lambda device: True)
+    target, drafter = pair
+    ps = [[(5 * i + j) % VOCAB for j in range(2 + i)] for i in range(8)]
+    base = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    spec = LLM(str(target), draft_model=str(drafter), num_blocks=128, page_size=4)
+    d = spec.runner.drafter
+    assert d is not None and spec.runner.draft_gemm_dtype == torch.bfloat16
+    assert {p.dtype for p in d.parameters()} == {torch.float32}
+    assert d.lm_head.weight is spec.runner.model.lm_head.weight  # fp32: aliased as before
+    linears = [m for m in d.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(type(m) is RowBucketedLinear for m in linears)
+    assert all(m.low_weight is not None and m.low_weight.dtype == torch.bfloat16 for m in linears)
+    outs = spec.generate(ps, GREEDY)  # 8 requests: batched products take the bf16 copies
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert spec.stats.rounds > 0
 
 
 def test_a_bf16_drafter_owns_bf16_copies_and_stays_lossless(pair: tuple[Path, Path]) -> None:

@@ -53,3 +53,19 @@ def test_bucketed_linear_only_ever_multiplies_grid_row_counts(monkeypatch) -> No
         for m in range(1, 300):
             lin(torch.randn(m, 8))
     assert len(set(seen)) == len({bucket_rows(m) for m in range(1, 300)}) == 10
+
+
+def test_a_low_precision_copy_serves_only_products_of_min_rows_or_more() -> None:
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 96)
+    ref = nn.Linear(64, 96)
+    ref.load_state_dict(lin.state_dict())
+    bucket_linears(lin, torch.bfloat16, min_rows=16)
+    assert lin.weight.dtype == torch.float32 and lin.low_weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        small = torch.randn(3, 5, 64, generator=g)  # 15 rows: the fp32 weight, exactly
+        assert torch.equal(lin(small), ref(small))
+        big = torch.randn(4, 5, 64, generator=g)  # 20 rows: the bf16 copy, output back in fp32
+        got = lin(big)
+        assert got.dtype == torch.float32 and not torch.equal(got, ref(big))
+        torch.testing.assert_close(got, ref(big), atol=5e-2, rtol=5e-2)
