@@ -109,12 +109,17 @@ def _generation_eos(model_path: str) -> tuple[int, ...]:
 _MAX_PENDING_CTX_ROWS = 4096  # deferred drafter-context rows held at most (a few MB of taps)
 
 
-def _last_of_each(slot_ids: torch.Tensor) -> torch.Tensor:
+def _last_of_each(slot_ids: torch.Tensor) -> torch.Tensor | None:
     """Indices of the last occurrence of each slot id, in order (index_put keeps no order among
-    duplicate indices, so duplicates are resolved here)."""
-    ids = slot_ids.cpu().numpy()
-    _, first_in_reversed = np.unique(ids[::-1], return_index=True)
-    keep = np.sort(ids.size - 1 - first_in_reversed)
+    duplicate indices, so duplicates are resolved here); None when every id is distinct, the usual
+    case: a slot repeats only when its blocks were freed and reused between two flushes, and the
+    unique pass cost 0.1 ms of a 0.7 ms flush of a few verified rows (CPU engine, R = 2)."""
+    ids = slot_ids.tolist()
+    if len(set(ids)) == len(ids):
+        return None
+    arr = np.asarray(ids)
+    _, first_in_reversed = np.unique(arr[::-1], return_index=True)
+    keep = np.sort(arr.size - 1 - first_in_reversed)
     return torch.from_numpy(keep).to(slot_ids.device)
 
 
@@ -481,7 +486,10 @@ class LLMEngine:
         self._pending_ctx, self._pending_rows = [], 0
         c = self.runner.drafter_context(taps)
         keep = _last_of_each(slot_ids)
-        self.runner.write_draft_context(c[keep], pos[keep], slot_ids[keep])
+        if keep is None:
+            self.runner.write_draft_context(c, pos, slot_ids)
+        else:
+            self.runner.write_draft_context(c[keep], pos[keep], slot_ids[keep])
         return c
 
     def _count(
