@@ -162,6 +162,32 @@ SIGMA_EVERY = 8  # records between refreshes of the residuals' MAD
 HOST_SPIKE = 4.0  # a plain step's host seconds count at most this multiple of the running mean
 
 
+# The live scale's buckets of executed B where the engine runs exactly B tokens (`live_grid`):
+# every B up to LIVE_DENSE_B, then at most LIVE_RATIO apart.
+LIVE_DENSE_B, LIVE_RATIO = 32, 1.125
+
+
+def live_grid(knots: Sequence[float]) -> Array:
+    """Buckets of executed B for the live scale when there are no graph tiers: the prior's knots,
+    every B up to LIVE_DENSE_B and steps of at most LIVE_RATIO beyond, up to the last knot. A
+    record corrects the bucket its B falls in and the scale is interpolated between buckets, so
+    on the prior's knots alone (the start-up grid's R x {1, 4, 8} tokens: 8, 16, 32 …) the records
+    at B = 9 … 15 all moved the knot at 16. Served, R = 2 (2026-12-02): the forward took 6.35 ms
+    at B = 12 and 6.80 at B = 16 (every expert busy by then), a line from 8 to 16 under-priced 12,
+    the records there pushed 16 up, and B = 16 was priced 13.5 ms for 12.0 taken, so lagged
+    verified 10.8 drafts a step where verify-all's 13.7 cost 0.17 ms more and accepted 0.35 more."""
+    top = max(float(k) for k in knots)
+    pts = sorted(
+        {float(k) for k in knots} | {float(b) for b in range(1, int(min(top, LIVE_DENSE_B)) + 1)}
+    )
+    grid = [pts[0]]
+    for b in pts[1:]:
+        while (step := max(grid[-1] + 1.0, float(math.ceil(grid[-1] * LIVE_RATIO)))) < b:
+            grid.append(step)  # a wide gap between two knots
+        grid.append(b)
+    return np.asarray(grid, np.float64)
+
+
 # Drafting records at an R before its price caps the R above it (a few steps give a stable mean).
 CAP_MIN_RECORDS = 4
 
@@ -284,8 +310,12 @@ class LiveEstimator:
         self.drift_events = 0
         self._base = replace(prior, scale=None)
         form = prior.form
-        knots = form.buckets or (form.theta.knots if isinstance(form, AdditiveModel) else ())
-        self._grid = np.asarray(knots or (1.0,), np.float64)
+        if form.buckets:  # graph tiers: the executed B takes only these values
+            self._grid = np.asarray(form.buckets, np.float64)
+        elif isinstance(form, AdditiveModel):
+            self._grid = live_grid(form.theta.knots)
+        else:
+            self._grid = np.ones(1)
         # A prior that already carries a live scale (a profile saved from a running engine) keeps
         # it: residuals are measured against it and the published scale multiplies it.
         self._prior_scale = prior.scale

@@ -623,6 +623,37 @@ def test_one_bucket_fed_prices_the_others_at_its_level() -> None:
         assert ratio == pytest.approx(np.exp(level), rel=0.06)
 
 
+def test_the_live_scale_corrects_the_b_its_records_ran() -> None:
+    """A forward that is concave in B between two knots of the start-up grid (an MoE whose experts
+    are all busy by B = 12 of 16): records at B = 12 must correct B = 12, not the knot at 16
+    (served, R = 2: B = 16 priced 13.5 ms for 12.0 taken, so lagged verified fewer drafts than
+    paid). Every B the engine ran is priced within 3 % of what it took."""
+    prior = CapacityModel(
+        AdditiveModel(
+            bias_s=0.003,
+            alpha=Curve((1.0, 64.0), (0.0, 0.004)),
+            theta=Curve((1.0, 8.0, 16.0, 64.0), (0.0, 0.002, 0.004, 0.016)),
+        )
+    )
+
+    def truth(b: int) -> float:
+        if 8 < b < 16:  # saturates: most of 8 -> 16's cost is paid by B = 12
+            frac = float(np.sqrt((b - 8) / 8))
+            return (
+                float(prior.predict(2, 8, 0)) * (1 - frac) + float(prior.predict(2, 16, 0)) * frac
+            )
+        return float(prior.predict(2, b, 0))
+
+    est = LiveEstimator(prior)
+    rng = np.random.default_rng(5)
+    for t in range(600):
+        b = 16 if t % 10 == 0 else int(rng.choice([11, 12, 13]))
+        y = truth(b) * float(np.exp(rng.normal(0.0, 0.02)))
+        est.observe(StepRecord(t, 2, b, 0, 2, 0, y))
+    for b in (11, 12, 13, 16):
+        assert float(est.model.predict(2, b, 0)) == pytest.approx(truth(b), rel=0.03), b
+
+
 def with_draft_curve(extra: Callable[[int], float]) -> CapacityModel:
     """TRUTH with a drafter term extra(R) at R = 1, 4, 32."""
     knots = (1.0, 4.0, 32.0)
