@@ -32,7 +32,7 @@ class AttentionGroup:
     rows: torch.Tensor | None  # [Tg] rows of the flat batch it owns; None = all, in order
     q_seq: torch.Tensor  # [Tg] which of the group's sequences a new token belongs to
     q_off: torch.Tensor  # [Tg] its offset among that sequence's new tokens
-    kv_slots: torch.Tensor  # [Rg, Lg] flat KV slot of each context position (0 = padding)
+    kv_slots: torch.Tensor  # [Rg, Lg] flat KV slot of each context position (masked past kv_len)
     mask: torch.Tensor  # [Rg, 1, Qg, Lg] bool, True = attend
     num_seqs: int
     max_q: int
@@ -138,13 +138,14 @@ def current_context() -> ForwardContext:
 def ragged_metadata(
     start_pos: list[int],
     q_lens: list[int],
-    kv_slot_rows: list[list[int]],
+    slot_table: torch.Tensor,
     slot_mapping: torch.Tensor,
     device: str | torch.device,
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens sit back to back in the flat batch: sequence r
-    has q_lens[r] new tokens at positions start_pos[r].., and its whole context (cached prefix
-    and new tokens) lives at the flat slots kv_slot_rows[r]."""
+    has q_lens[r] new tokens at positions start_pos[r].., and position j of its context (cached
+    prefix and new tokens) lives at flat slot slot_table[r, j] (CPU, [R, >= the longest
+    context]; columns past a sequence's context hold any valid slot: the mask hides them)."""
     kv_lens = [s + q for s, q in zip(start_pos, q_lens, strict=True)]
     first_row = [0]
     for q in q_lens[:-1]:
@@ -152,11 +153,11 @@ def ragged_metadata(
     groups = padding_groups(q_lens, kv_lens)
     if len(groups) == 1:  # the flat order itself: no row gather
         return AttentionMetadata(
-            slot_mapping, [_group(sorted(groups[0]), start_pos, q_lens, kv_slot_rows, None, device)]
+            slot_mapping, [_group(sorted(groups[0]), start_pos, q_lens, slot_table, None, device)]
         )
     return AttentionMetadata(
         slot_mapping,
-        [_group(g, start_pos, q_lens, kv_slot_rows, first_row, device) for g in groups],
+        [_group(g, start_pos, q_lens, slot_table, first_row, device) for g in groups],
     )
 
 
@@ -164,16 +165,17 @@ def _group(
     members: list[int],
     start_pos: list[int],
     q_lens: list[int],
-    kv_slot_rows: list[list[int]],
+    slot_table: torch.Tensor,
     first_row: list[int] | None,
     device: str | torch.device,
 ) -> AttentionGroup:
     qs = [q_lens[r] for r in members]
     max_q = max(qs)
     max_kv = max(start_pos[r] + q_lens[r] for r in members)
-    kv_slots = torch.zeros(len(members), max_kv, dtype=torch.long)
-    for i, r in enumerate(members):
-        kv_slots[i, : start_pos[r] + q_lens[r]] = torch.tensor(kv_slot_rows[r], dtype=torch.long)
+    if members == list(range(slot_table.shape[0])):
+        kv_slots = slot_table[:, :max_kv]
+    else:
+        kv_slots = slot_table[torch.tensor(members), :max_kv]
     starts = torch.tensor([start_pos[r] for r in members])
     q_len_t = torch.tensor(qs)
     qi = torch.arange(max_q)
@@ -205,10 +207,11 @@ def packed_causal_metadata(seq_lens: list[int], device: str | torch.device) -> A
     first = [0]
     for n in seq_lens[:-1]:
         first.append(first[-1] + n)
-    rows = [list(range(f, f + n)) for f, n in zip(first, seq_lens, strict=True)]
     total = first[-1] + seq_lens[-1]
+    # row r's position j at batch row first[r] + j; past its length any valid row (masked)
+    table = (torch.tensor(first)[:, None] + torch.arange(max(seq_lens))).clamp_(max=total - 1)
     slot_mapping = torch.arange(total, device=device)
-    return ragged_metadata([0] * len(seq_lens), list(seq_lens), rows, slot_mapping, device)
+    return ragged_metadata([0] * len(seq_lens), list(seq_lens), table, slot_mapping, device)
 
 
 class TorchSDPABackend:
