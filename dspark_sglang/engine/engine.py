@@ -106,6 +106,8 @@ def _generation_eos(model_path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+_NONE_VERIFIED = np.zeros(0, np.int64)
+_NONE_VERIFIED.flags.writeable = False
 _MAX_PENDING_CTX_ROWS = 4096  # deferred drafter-context rows held at most (a few MB of taps)
 
 
@@ -570,12 +572,15 @@ class LLMEngine:
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()
             verified = [s for s in plan.seqs if s.seq_id in drafted and s.sample]
-            self.planner.observe(
-                np.array([len(s.draft_ids) for s in verified], dtype=np.int64),
-                np.array([accepted.get(s.seq_id, 0) for s in verified], dtype=np.int64),
-                rec,
-                [s.seq_id for s in verified],
-            )
+            if not verified:  # a skipped (lagged K = 0) step: only the capacity record
+                self.planner.observe(_NONE_VERIFIED, _NONE_VERIFIED, rec)
+            else:
+                self.planner.observe(
+                    np.array([len(s.draft_ids) for s in verified], dtype=np.int64),
+                    np.array([accepted.get(s.seq_id, 0) for s in verified], dtype=np.int64),
+                    rec,
+                    [s.seq_id for s in verified],
+                )
         if self.on_step is not None:
             self.on_step(rec)
 

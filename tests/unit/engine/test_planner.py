@@ -389,3 +389,57 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
     assert DraftConfig().explore_ratio == EXPLORE_RATIO  # the server's default is the planner's
     with pytest.raises(ConfigError, match="--explore-ratio"):
         DraftConfig(explore_ratio=1.5)
+
+
+def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None:
+    """Records of steps that did not draft wait until FOLD_RECORDS are queued; a drafting step's
+    record feeds the queue and itself at once (exploration counts timed drafting steps), and
+    close() feeds what is left. The estimator ends exactly where one fed record by record ends,
+    and the planner holds the model it last published."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.capacity_fit import LiveEstimator
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import FOLD_RECORDS, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    buckets = (1, 2, 4, 8, 16)
+    cap = CapacityModel(
+        TableModel(buckets, tuple(0.002 + 0.001 * b for b in buckets)),
+        draft=Curve((1.0, 64.0), (0.003, 0.01)),
+    )
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False, True)
+    ref = LiveEstimator(cap)
+    assert p.estimator is not None
+    none = np.zeros(0, np.int64)
+    rng = np.random.default_rng(0)
+
+    def rec(t: int, drafted: bool) -> StepRecord:
+        y = 0.003 * (2.0 if t > 40 else 1.0) * rng.uniform(0.95, 1.05)  # a 2x drift at t = 41
+        if drafted:
+            return StepRecord(t, 1, 4, 0, 1, 100 + t, y + 0.004, draft_seconds=0.004)
+        return StepRecord(t, 1, 1, 0, 1, 100 + t, y)
+
+    published = None
+    for t in range(FOLD_RECORDS - 1):
+        r = rec(t, False)
+        p.observe(none, none, r)
+        published = ref.observe(r) or published
+    assert p.estimator.num_observed == 0  # queued
+    r = rec(FOLD_RECORDS - 1, False)
+    p.observe(none, none, r)
+    published = ref.observe(r) or published
+    assert p.estimator.num_observed == FOLD_RECORDS
+    for t in range(FOLD_RECORDS, 3 * FOLD_RECORDS + 3):
+        drafted = t == 2 * FOLD_RECORDS + 1
+        r = rec(t, drafted)
+        p.observe(np.array([3]) if drafted else none, np.array([2]) if drafted else none, r)
+        published = ref.observe(r) or published
+        if drafted:  # fed with the plain records before it, in order
+            assert p.estimator.num_observed == t + 1
+            assert p.estimator.drafts_timed(1) == ref.drafts_timed(1) == 1
+    assert p.estimator.num_observed < ref.num_observed
+    p.close()
+    assert p.estimator.num_observed == ref.num_observed
+    assert p.estimator.drift_events == ref.drift_events >= 1
+    assert published is not None and p.capacity.version == published.version
+    assert p.capacity.predict(1, 1, 150) == pytest.approx(published.predict(1, 1, 150))
