@@ -467,7 +467,13 @@ class LLMEngine:
             if self._pending_rows >= _MAX_PENDING_CTX_ROWS:
                 self._flush_draft_context()
             return
-        c = self._flush_draft_context()[-len(rows) :]  # this step's rows come last
+        # A step of prefill-only requests alone (a prefill worker's) projects its rows for the
+        # handoffs and writes none into this engine's drafter cache: no drafter runs on them
+        # here (0.54 ms of a 12.2 ms one-prompt prefill step on the CPU engine).
+        own = len(self._pending_ctx) > 1 or not all(
+            self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs
+        )
+        c = self._flush_draft_context(write=own)[-len(rows) :]  # this step's rows come last
         start = 0
         for s in plan.seqs:  # prefill-only requests keep their C rows for the handoff
             n = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
@@ -476,17 +482,20 @@ class LLMEngine:
                 self._state[s.seq_id].ctx_chunks.append(c[start : start + n])
             start += n
 
-    def _flush_draft_context(self) -> torch.Tensor:
+    def _flush_draft_context(self, write: bool = True) -> torch.Tensor:
         """Project every verified row not yet in the drafter's context, in one batch; -> C of
         those rows. Deferred until the drafter next runs: a lagged K = 0 step has no use for
         them, and one projection of many rows costs about what one of a few rows does. Rows go
         in step order, and a slot written twice (its blocks freed and reused meanwhile) keeps
-        its newest row, exactly as if each step had written its own."""
+        its newest row, exactly as if each step had written its own. write=False: C only, for
+        rows that leave in handoffs."""
         if not self._pending_ctx:
             return torch.empty(0)
         taps, pos, slot_ids = (torch.cat(parts) for parts in zip(*self._pending_ctx, strict=True))
         self._pending_ctx, self._pending_rows = [], 0
         c = self.runner.drafter_context(taps)
+        if not write:
+            return c
         keep = _last_of_each(slot_ids)
         if keep is None:
             self.runner.write_draft_context(c, pos, slot_ids)

@@ -591,6 +591,8 @@ def test_prefill_decode_handoff_continues_exactly(
     assert prefill.pool.num_free_blocks == prefill.pool.num_blocks
     if with_drafter:
         assert all(h.draft_ctx is not None for h in handoffs.values())
+        # the prefill engine projected C for the handoffs and wrote none into its own drafter
+        assert all(not k.any() and not v.any() for k, v in prefill.runner.draft_kv)
     got = {}
     mapping = {decode.try_adopt(handoffs[i]): n for n, i in enumerate(ids)}
     assert None not in mapping
