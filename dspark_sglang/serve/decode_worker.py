@@ -62,6 +62,9 @@ def run(cfg: Config, index: int) -> None:
                 pending = deque(p for p in pending if p[0] != msg.uid)
                 if msg.uid in seq_of:
                     engine.abort(seq_of.pop(msg.uid))
+        if out:  # first tokens (and refusals) before the adoption and the step
+            link.send(out)
+            out = []
         while pending:
             uid, h, emitted = pending[0]
             try:
