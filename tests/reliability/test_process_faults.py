@@ -300,9 +300,18 @@ def test_restart_and_second_kill_under_steady_traffic(pd: Cluster) -> None:
     wait_kv_back(pd, LIVE)
 
 
+def dispatched(c: Cluster, worker: str) -> float:
+    """The router's count of requests dispatched to `worker` (dspark_worker_requests)."""
+    text = httpx.get(f"{c.url}/metrics", timeout=5).text
+    key = f'dspark_worker_requests_total{{worker="{worker}"}} '
+    return next((float(x[len(key) :]) for x in text.splitlines() if x.startswith(key)), 0.0)
+
+
 def test_kill9_prefill_with_queued_requests(pd: Cluster) -> None:
     """16 long prompts (1,500 tokens) at once, so both prefill workers hold a queue; kill -9
-    prefill0: its not-yet-handed-off requests are retried on prefill1, none fails."""
+    prefill0 once the router has dispatched four to it (frozen first with SIGSTOP, so it holds
+    a queue however fast it prefills: a fixed 0.5 s wait found it done once the engine got
+    faster): its not-yet-handed-off requests are retried on prefill1, none fails."""
     prompt = list(range(3, 103)) * 15
     results: list[httpx.Response | None] = [None] * 16
 
@@ -314,7 +323,9 @@ def test_kill9_prefill_with_queued_requests(pd: Cluster) -> None:
     t0 = time.monotonic()
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    while dispatched(pd, "prefill0") < 4 and time.monotonic() - t0 < 30:
+        time.sleep(0.005)
+    pd.procs["prefill0"].send_signal(signal.SIGSTOP)
     pd.procs["prefill0"].send_signal(signal.SIGKILL)
     for t in threads:
         t.join(60)
