@@ -176,20 +176,31 @@ def _group(
         kv_slots = slot_table[:, :max_kv]
     else:
         kv_slots = slot_table[torch.tensor(members), :max_kv]
-    starts = torch.tensor([start_pos[r] for r in members])
-    q_len_t = torch.tensor(qs)
-    qi = torch.arange(max_q)
-    kj = torch.arange(max_kv)
-    causal = kj[None, None, :] <= (starts[:, None, None] + qi[None, :, None])  # [Rg, Qg, Lg]
-    # Padding query rows attend to key 0 so SDPA never sees an all-masked row (NaN); they are
-    # dropped when the output is gathered back to the flat layout.
-    pad_q = (qi[None, :] >= q_len_t[:, None])[:, :, None] & (kj == 0)[None, None, :]
-    mask = (causal & (qi[None, :] < q_len_t[:, None])[:, :, None]) | pad_q
     rows = None
     if first_row is not None:
         rows = torch.tensor(
             [first_row[r] + j for r in members for j in range(q_lens[r])], dtype=torch.long
         ).to(device)
+    starts = torch.tensor([start_pos[r] for r in members])
+    kj = torch.arange(max_kv)
+    if max_q == 1:  # decode rows only: key j visible iff j <= start (no padded queries)
+        seq = torch.arange(len(members))
+        return AttentionGroup(
+            rows=rows,
+            q_seq=seq.to(device),
+            q_off=torch.zeros_like(seq).to(device),
+            kv_slots=kv_slots.to(device),
+            mask=(kj[None, :] <= starts[:, None])[:, None, None].to(device),
+            num_seqs=len(members),
+            max_q=1,
+        )
+    q_len_t = torch.tensor(qs)
+    qi = torch.arange(max_q)
+    causal = kj[None, None, :] <= (starts[:, None, None] + qi[None, :, None])  # [Rg, Qg, Lg]
+    # Padding query rows attend to key 0 so SDPA never sees an all-masked row (NaN); they are
+    # dropped when the output is gathered back to the flat layout.
+    pad_q = (qi[None, :] >= q_len_t[:, None])[:, :, None] & (kj == 0)[None, None, :]
+    mask = (causal & (qi[None, :] < q_len_t[:, None])[:, :, None]) | pad_q
     return AttentionGroup(
         rows=rows,
         q_seq=torch.repeat_interleave(torch.arange(len(members)), q_len_t).to(device),

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_sglang.models import attention
-from dspark_sglang.models.attention import MAX_GROUPS, MIN_GROUP_CELLS, PREFILL_Q, padding_groups
+from dspark_sglang.models.attention import (
+    MAX_GROUPS,
+    MIN_GROUP_CELLS,
+    PREFILL_Q,
+    padding_groups,
+    ragged_metadata,
+)
 
 seq = st.tuples(st.integers(1, 600), st.integers(0, 4000))  # (new tokens, cached prefix)
 
@@ -52,3 +59,23 @@ def test_merge_floor_and_cap(monkeypatch) -> None:
     groups = padding_groups([1] * len(kv), kv)
     assert len(groups) == MAX_GROUPS
     assert all(len(g) == 1 for g in groups[:-1])
+
+
+def test_decode_and_verify_rows_get_the_same_masks_and_layout_as_one_rule() -> None:
+    """A group of decode rows (one new token each) takes a shorter path; its metadata is what
+    the general rule gives: query 0 of row r sees keys j <= start_r, no padded queries. Checked
+    against a group where one row verifies 3 tokens (the general path), row by row."""
+    starts = [5, 9, 2]
+    table = torch.arange(3 * 16).view(3, 16)
+    dec = ragged_metadata(starts, [1, 1, 1], table, torch.zeros(3, dtype=torch.long), "cpu")
+    mix = ragged_metadata(starts, [1, 3, 1], table, torch.zeros(5, dtype=torch.long), "cpu")
+    assert len(dec.groups) == len(mix.groups) == 1
+    d, g = dec.groups[0], mix.groups[0]
+    assert d.max_q == 1 and g.max_q == 3
+    assert d.q_seq.tolist() == [0, 1, 2] and d.q_off.tolist() == [0, 0, 0]
+    assert d.mask.shape == (3, 1, 1, 10)
+    for r, s in enumerate(starts):
+        want = [j <= s for j in range(10)]
+        assert d.mask[r, 0, 0].tolist() == want
+        assert g.mask[r, 0, 0, :10].tolist() == want  # the general rule, query 0
+        assert d.kv_slots[r, : s + 1].tolist() == table[r, : s + 1].tolist()
