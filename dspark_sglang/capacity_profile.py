@@ -275,7 +275,9 @@ def profile_from_report(
             "notes": f"{len(points)} points, {len(draft_points)} drafter points, dtype "
             f"{report.get('dtype')}"
             + (f", drafter {report['draft_dtype']}" if "draft_dtype" in report else "")
-            + f", device {report.get('device')}, torch {report.get('torch')}; "
+            + f", device {report.get('device')}"
+            + (f" ({hw['cpu_gemm']} fp32 products)" if "cpu_gemm" in hw else "")
+            + f", torch {report.get('torch')}; "
             f"fit_{kind} in algo/capacity_fit",
         },
     }

@@ -162,6 +162,9 @@ def _rope_theta(d: dict[str, Any]) -> float:
     return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
 
 
+CPU_GEMMS = ("auto", "onednn", "mkl")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str
@@ -170,10 +173,15 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tap_layer_ids: tuple[int, ...] = ()  # DeepSpec semantics: id L = residual output of layer L
     attention_backend: str = "torch_sdpa"
+    # fp32 products on the CPU: oneDNN on packed weights, or torch's default (MKL); auto =
+    # oneDNN on AMD CPUs, where it measured 2-3x faster (models/cpu_gemm.py)
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ConfigError(f"--cpu-gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("--max-model-len must be positive")
         if list(self.tap_layer_ids) != sorted(set(self.tap_layer_ids)):

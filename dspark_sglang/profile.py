@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dspark_sglang.config import (
+    CPU_GEMMS,
     DTYPES,
     ArchConfig,
     CacheConfig,
@@ -39,6 +40,7 @@ from dspark_sglang.engine.profiler import (
 )
 from dspark_sglang.engine.runner import ModelRunner, draft_precision
 from dspark_sglang.models.attention import create_backend
+from dspark_sglang.models.cpu_gemm import use_onednn
 from dspark_sglang.models.loader import torch_dtype
 from dspark_sglang.models.target import Qwen3ForCausalLM
 
@@ -142,7 +144,9 @@ def profile(
         else None
     )
     runner = ModelRunner(
-        ModelConfig(model_path, dtype=args.dtype, device=args.device), cache_cfg, draft_cfg
+        ModelConfig(model_path, dtype=args.dtype, device=args.device, cpu_gemm=args.cpu_gemm),
+        cache_cfg,
+        draft_cfg,
     )
     # The KV context is random, not a prefill of real tokens: attention cost does not depend on
     # the values, and random keys keep the attention and MoE routing away from degenerate zeros.
@@ -245,6 +249,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the drafter's weights and context K/V (auto: --dtype, with bf16 products of 16 "
         "rows or more on a CPU with native bf16 under a float32 target)",
     )
+    p.add_argument(
+        "--cpu-gemm",
+        choices=CPU_GEMMS,
+        default="auto",
+        help="fp32 products on the CPU: oneDNN on packed weights, or torch's MKL (auto: oneDNN "
+        "on AMD CPUs); profile with the engine's setting",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")
     p.add_argument("--output", metavar="FILE", help="also write the JSON to this file")
@@ -340,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": {
             "cpu": platform.processor() or platform.machine(),
             "num_threads": torch.get_num_threads(),
+            "cpu_gemm": "onednn" if use_onednn(args.cpu_gemm, args.device) else "mkl",
         },
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "dspark_sglang.profile", *argv]),

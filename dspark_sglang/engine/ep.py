@@ -61,8 +61,12 @@ class FollowerSpec:
 def create_runner(cfg: Config) -> ModelRunner:
     """One process, or rank 0 of `cfg.parallel.ep_size` expert-parallel processes."""
     if cfg.parallel.ep_size == 1:
-        return ModelRunner(cfg.model, cfg.cache, cfg.draft)
+        return ModelRunner(cfg.model, cfg.cache, cfg.draft, max_rows=_max_rows(cfg))
     return LeaderRunner(cfg)
+
+
+def _max_rows(cfg: Config) -> int:
+    return cfg.sched.max_num_batched_tokens
 
 
 class _Groups:
@@ -322,7 +326,9 @@ class LeaderRunner(ModelRunner):
         cfg.parallel.check_arch(ArchConfig.from_model_path(cfg.model.path))
         self.followers = Followers(cfg)
         try:
-            super().__init__(cfg.model, cfg.cache, cfg.draft, self.followers.groups.ep)
+            super().__init__(
+                cfg.model, cfg.cache, cfg.draft, self.followers.groups.ep, _max_rows(cfg)
+            )
             self.followers.wait_for("ready")
         except BaseException:
             self.followers.close()
@@ -363,7 +369,9 @@ def follower_main() -> int:
     store.set(f"joined/{rank}", "1")
     groups = _Groups(store, rank, cfg.parallel.ep_size, cfg.parallel, device)
     # No drafter here, so the same byte budget holds at least as many blocks as rank 0's pool.
-    runner = ModelRunner(replace(cfg.model, device=device), cfg.cache, None, groups.ep)
+    runner = ModelRunner(
+        replace(cfg.model, device=device), cfg.cache, None, groups.ep, _max_rows(cfg)
+    )
     store.set(f"ready/{rank}", "1")
     timeout = timedelta(seconds=cfg.parallel.ep_timeout_s)
     try:

@@ -16,6 +16,7 @@ from dspark_sglang.engine.batch import ForwardBatch
 from dspark_sglang.engine.kv_cache import allocate_kv, bytes_per_block, num_blocks_for
 from dspark_sglang.engine.speculative import DraftBatch, Proposal, length_groups
 from dspark_sglang.models.attention import ForwardContext, forward_context
+from dspark_sglang.models.cpu_gemm import pack_model, use_onednn, warm_up
 from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
 from dspark_sglang.models.moe import ExpertParallel
@@ -38,7 +39,10 @@ class ModelRunner:
         cache_cfg: CacheConfig,
         draft_cfg: DraftConfig | None = None,
         ep: ExpertParallel | None = None,
+        max_rows: int = 2048,
     ) -> None:
+        """`max_rows`: the most tokens one forward carries (--max-num-batched-tokens); the
+        packed CPU products (--cpu-gemm) build their kernels up to it at load."""
         if model_cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {model_cfg.device} requested but CUDA is not available")
         self.arch = ArchConfig.from_model_path(model_cfg.path)
@@ -74,6 +78,11 @@ class ModelRunner:
                 bucket_linears(self.drafter, self.draft_gemm_dtype)
             elif self.draft_dtype != torch.float32:  # a bounded set of oneDNN kernels
                 bucket_linears(self.drafter)
+        if use_onednn(model_cfg.cpu_gemm, self.device):
+            packed = pack_model(self.model, max_rows)
+            if self.drafter is not None:
+                packed += pack_model(self.drafter, max_rows)
+            warm_up(packed)
         limit = model_cfg.max_model_len or self.arch.max_position_embeddings
         if limit > self.arch.max_position_embeddings:
             raise ConfigError(

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from dspark_sglang.config import ArchConfig
 from dspark_sglang.models.attention import current_context
+from dspark_sglang.models.cpu_gemm import PackedWeight
 
 
 class ExpertParallel:
@@ -68,6 +69,17 @@ class Experts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        # per expert (gate_up, down) packed for oneDNN (models/cpu_gemm.py), when packed
+        self.gemm: list[tuple[PackedWeight, PackedWeight]] | None = None
+
+    def pack_gemm(self, max_rows: int) -> list[PackedWeight]:
+        if self.gate_up_proj.dtype != torch.float32:
+            return []
+        self.gemm = [
+            (PackedWeight(gu, None, max_rows), PackedWeight(dn, None, max_rows))
+            for gu, dn in zip(self.gate_up_proj, self.down_proj, strict=True)
+        ]
+        return [w for pair in self.gemm for w in pair]
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -87,8 +99,13 @@ class Experts(nn.Module):
             idx = order[start : start + n]
             tok = token_of[start : start + n]
             start += n
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+            if self.gemm is None:
+                gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+            else:
+                gu, dn = self.gemm[e]
+                gate, up = gu(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = dn(F.silu(gate) * up, self.down_proj[e])
             out.index_add_(0, tok, (y * weights.reshape(-1)[idx, None]).to(out.dtype))
         return out
 

@@ -271,17 +271,18 @@ def test_default_lagged_scheduler_serves_greedy_identically(model_pair: tuple[Pa
             assert r.json()["choices"][0]["text"] == w.text
         # the first token of each request comes from the prefill worker, the other 23 from
         # decode steps that each commit one token per row plus the row's accepted drafts
-        deadline, recs = time.monotonic() + 10, []
-        while time.monotonic() < deadline:  # lines are flushed at each heartbeat
+        deadline, recs, pre = time.monotonic() + 10, [], []
+        while time.monotonic() < deadline:  # each worker flushes its lines at its heartbeat
             recs = _read_steps(logs / "new" / "decode0.steps.jsonl")
-            if sum(r["num_decode_reqs"] + r["num_accepted"] for r in recs) >= 46:
+            pre = _read_steps(logs / "new" / "prefill0.steps.jsonl")
+            done = sum(r["num_decode_reqs"] + r["num_accepted"] for r in recs) >= 46
+            if done and sum(r["num_prefill_tokens"] for r in pre) > 0:
                 break
             time.sleep(0.1)
         assert sum(r["num_decode_reqs"] + r["num_accepted"] for r in recs) == 2 * 23
         planned = [r for r in recs if r["verify_budget_k"] >= 0]
         assert planned and all(r["predicted_seconds"] > 0 for r in planned)
         assert all(r["step_seconds"] > 0 and r["num_prefill_tokens"] == 0 for r in recs)
-        pre = _read_steps(logs / "new" / "prefill0.steps.jsonl")
         assert sum(r["num_prefill_tokens"] for r in pre) > 0
         # GET /capacity: the decode worker's live model, a profile --capacity-profile loads
         cap = httpx.get(f"{c.url}/capacity", timeout=10).json()["workers"]

@@ -1,4 +1,5 @@
-"""ModelRunner: the drafter's dtype (resolution, its own copies, handed-off context)."""
+"""ModelRunner: the drafter's dtype (resolution, its own copies, handed-off context) and the
+packed CPU products."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dspark_sglang import LLM, SamplingParams
 from dspark_sglang.config import ConfigError, DraftConfig
 from dspark_sglang.engine import runner as runner_mod
 from dspark_sglang.engine.runner import draft_precision, native_bf16
+from dspark_sglang.models.cpu_gemm import PackedLinear
 from dspark_sglang.models.row_buckets import RowBucketedLinear
 from tests.conftest import VOCAB, write_drafter, write_hf_model
 
@@ -116,3 +118,34 @@ def test_handed_off_fp32_context_is_written_in_the_drafters_dtype(pair: tuple[Pa
     want = r.drafter.context_kv(c.bfloat16(), pos)
     for (k_cache, v_cache), (k, v) in zip(r.draft_kv, want, strict=True):
         assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+
+
+def test_onednn_products_pack_target_and_drafter_and_stay_lossless(
+    pair: tuple[Path, Path],
+) -> None:
+    """--cpu-gemm onednn: the target's linears and experts and the drafter's fp32 products are
+    packed, and greedy speculative output equals plain decoding on the same products; mkl packs
+    nothing."""
+    target, drafter = pair
+    ps = [[(3 * i + j) % VOCAB for j in range(2 + i)] for i in range(6)]
+    base = LLM(str(target), num_blocks=128, page_size=4, cpu_gemm="onednn").generate(ps, GREEDY)
+    spec = LLM(
+        str(target),
+        draft_model=str(drafter),
+        num_blocks=128,
+        page_size=4,
+        cpu_gemm="onednn",
+        max_num_batched_tokens=96,
+    )
+    t, d = spec.runner.model, spec.runner.drafter
+    assert d is not None
+    assert type(t.lm_head) is PackedLinear and t.lm_head.gemm.max_rows == 96
+    assert all(m.gemm is not None for m in t.modules() if hasattr(m, "pack_gemm"))
+    assert all(
+        getattr(m, "gemm", None) is not None for m in d.modules() if isinstance(m, torch.nn.Linear)
+    )
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert spec.stats.rounds > 0
+    plain = LLM(str(target), draft_model=str(drafter), num_blocks=16, cpu_gemm="mkl")
+    assert not any(isinstance(m, PackedLinear) for m in plain.runner.model.modules())
