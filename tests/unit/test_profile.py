@@ -41,8 +41,9 @@ def _check_report(report: dict[str, Any], model: str) -> None:
     assert report["model"] == model
     assert (report["dtype"], report["device"]) == ("float32", "cpu")
     assert isinstance(report["torch"], str) and report["date"]
-    assert set(report["hardware"]) == {"cpu", "num_threads"}
+    assert set(report["hardware"]) == {"cpu", "num_threads", "cpu_gemm"}
     assert report["hardware"]["num_threads"] >= 1
+    assert report["hardware"]["cpu_gemm"] in ("onednn", "mkl")
     assert report["command"].startswith("python -m dspark_sglang.profile --quick --json")
     grid = [(p["kind"], p["R"], p["tokens_per_req"], p["B"]) for p in report["points"]]
     assert grid == [

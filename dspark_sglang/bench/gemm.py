@@ -1,0 +1,105 @@
+"""`python -m dspark_sglang.bench.gemm`: fp32 products through MKL and through packed oneDNN.
+
+Times `[M, K] x [K, N]` for the weight shapes of the bundled target and drafter (or `--shapes`)
+at several row counts M, both ways, on one thread by default, and prints the median of each
+and their ratio, with the row count from which `--cpu-gemm onednn` sends a product to oneDNN
+(models/cpu_gemm.crossover_rows). Run it to decide `--cpu-gemm` on a CPU the auto rule does not
+know (auto = oneDNN on AMD CPUs). `--cold` cycles through enough copies of each weight to
+overflow the last-level cache, as a model larger than it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from dspark_sglang.models import cpu_gemm
+
+# (K, N): attention q/o, k/v, expert gate_up / MLP gate, MLP down, drafter fc, LM head, Markov
+BUNDLED_SHAPES = "256x256,256x128,256x512,512x256,768x256,256x4096,64x4096"
+
+
+def _median_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def measure(k: int, n: int, m: int, repeats: int, cold: bool) -> dict[str, float | int]:
+    copies = max(1, (64 << 20) // (4 * k * n)) if cold else 1
+    gen = torch.Generator().manual_seed(k * n)
+    ws = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(copies)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+    x = torch.randn(m, k, generator=gen)
+    i = [0]
+
+    def mkl() -> object:
+        i[0] = (i[0] + 1) % copies
+        return F.linear(x, ws[i[0]])
+
+    def onednn() -> object:
+        i[0] = (i[0] + 1) % copies
+        return torch.ops.mkldnn._linear_pointwise(x, packed[i[0]], None, "none", [], "")
+
+    a, b = _median_us(mkl, repeats), _median_us(onednn, repeats)
+    return {"k": k, "n": n, "rows": m, "mkl_us": a, "onednn_us": b, "speedup": a / b}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        k, sep, n = item.partition("x")
+        if not sep or not k.isdigit() or not n.isdigit() or int(k) <= 0 or int(n) <= 0:
+            raise SystemExit(f"error: --shapes: expected KxN items like 256x512, got {item!r}")
+        out.append((int(k), int(n)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_sglang.bench.gemm", description=__doc__)
+    ap.add_argument("--shapes", default=BUNDLED_SHAPES, help="KxN weight shapes, comma-separated")
+    ap.add_argument("--rows", default="1,2,4,8,16,64,512", help="row counts M, comma-separated")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cold", action="store_true", help="weights out of the last-level cache")
+    ap.add_argument("--json", action="store_true", help="one JSON line per measurement")
+    args = ap.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --rows: expected integers, got {args.rows!r}") from None
+    if min(rows) <= 0 or args.repeats <= 0 or args.threads <= 0:
+        raise SystemExit("error: --rows, --repeats and --threads must be positive")
+    if not cpu_gemm.available():
+        raise SystemExit("error: this torch build has no oneDNN packed linear")
+    torch.set_num_threads(args.threads)
+    for k, n in shapes:
+        cells = [measure(k, n, m, args.repeats, args.cold) for m in rows]
+        if args.json:
+            for c in cells:
+                print(json.dumps(c))
+            continue
+        cross = cpu_gemm.crossover_rows(k, n)
+        line = "  ".join(
+            f"M={c['rows']}: {c['mkl_us']:.0f}/{c['onednn_us']:.0f} us ({c['speedup']:.2f}x)"
+            for c in cells
+        )
+        print(f"[M, {k}] x [{k}, {n}] (oneDNN from {cross} rows)  {line}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
