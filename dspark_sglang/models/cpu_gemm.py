@@ -26,9 +26,11 @@ from torch.nn import functional as F
 
 from dspark_sglang.config import ConfigError
 
-# Fit of the MKL / oneDNN crossover on the project's CPU: K*N * rows >= 2^19.
+# Fit of the MKL / oneDNN crossover on the project's CPU: K*N * rows >= 2^19, from two rows up
+# (a one-row LM-head product was faster in oneDNN alone, 58 against 63 us, but a B = 1 decode
+# forward ran 6 % slower with it there than without).
 _CROSSOVER_WORK = 1 << 19
-_MAX_CROSSOVER = 16
+_MIN_CROSSOVER, _MAX_CROSSOVER = 2, 16
 
 
 def available() -> bool:
@@ -65,8 +67,8 @@ def use_onednn(choice: str, device: str, cpuinfo: str = "/proc/cpuinfo") -> bool
 
 
 def crossover_rows(k: int, n: int) -> int:
-    """Fewest rows a product by a [n, k] weight runs in oneDNN (1 … 16)."""
-    return max(1, min(_MAX_CROSSOVER, math.ceil(_CROSSOVER_WORK / (k * n))))
+    """Fewest rows a product by a [n, k] weight runs in oneDNN (2 … 16)."""
+    return max(_MIN_CROSSOVER, min(_MAX_CROSSOVER, math.ceil(_CROSSOVER_WORK / (k * n))))
 
 
 def grid_rows(m: int) -> int:
@@ -97,13 +99,16 @@ class PackedWeight:
         self.bias = None if bias is None else bias.detach()
         self.min_rows, self.max_rows = crossover_rows(k, n), max_rows
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias; `weight` is the unpacked one, for the products MKL takes."""
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN multiplies x (its row count in range); checked before every product,
+        so kept to one shape read: a decode step makes about 40 products of one row."""
+        return self.min_rows <= x.numel() // self.k <= self.max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias through oneDNN, for an fp32 x that `takes` admits."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.k)
         m = flat.shape[0]
-        if not self.min_rows <= m <= self.max_rows or x.dtype != torch.float32:
-            return F.linear(x, weight, self.bias)
         pad = grid_rows(m) - m
         if pad:
             flat = F.pad(flat, (0, 0, 0, pad))
@@ -124,9 +129,10 @@ class PackedLinear(nn.Linear):
     gemm: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.gemm(x, self.weight)
+        gemm = self.gemm
+        if gemm is not None and gemm.takes(x):
+            return gemm(x)
+        return F.linear(x, self.weight, self.bias)
 
 
 def pack_model(module: nn.Module, max_rows: int) -> list[PackedWeight]:

@@ -99,13 +99,14 @@ class Experts(nn.Module):
             idx = order[start : start + n]
             tok = token_of[start : start + n]
             start += n
-            if self.gemm is None:
-                gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+            xe = x[tok]
+            gu, dn = (None, None) if self.gemm is None else self.gemm[e]
+            if gu is not None and gu.takes(xe):
+                gate, up = gu(xe).chunk(2, dim=-1)
             else:
-                gu, dn = self.gemm[e]
-                gate, up = gu(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-                y = dn(F.silu(gate) * up, self.down_proj[e])
+                gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            y = dn(h) if dn is not None and dn.takes(h) else F.linear(h, self.down_proj[e])
             out.index_add_(0, tok, (y * weights.reshape(-1)[idx, None]).to(out.dtype))
         return out
 

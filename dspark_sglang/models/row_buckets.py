@@ -14,11 +14,14 @@ enough for bf16 to pay (`min_rows`), keeping fp32 for the few-row products of lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from dspark_sglang.models.cpu_gemm import PackedWeight
 
 MIN_ROWS = 16
 
@@ -43,7 +46,7 @@ class RowBucketedLinear(nn.Linear):
     low_bias: torch.Tensor | None = None
     min_rows: int = 0
     # fp32 few-row products through oneDNN (models/cpu_gemm.py: pack_model), when packed
-    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    gemm: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
@@ -52,8 +55,8 @@ class RowBucketedLinear(nn.Linear):
         weight, bias = self.weight, self.bias
         if self.low_weight is not None:
             if m < self.min_rows:
-                if self.gemm is not None:
-                    return self.gemm(x, weight)
+                if self.gemm is not None and self.gemm.takes(x):
+                    return self.gemm(x)
                 return F.linear(x, weight, bias)
             weight, bias = self.low_weight, self.low_bias
             flat = flat.to(weight.dtype)

@@ -44,8 +44,8 @@ def test_the_grid_pads_by_less_than_half_and_is_small() -> None:
 
 
 def test_the_crossover_falls_as_the_weight_widens() -> None:
-    # the measured crossovers (module doc): LM head from one row, narrow projections from 8-16
-    assert crossover_rows(256, 4096) == 1
+    # the measured crossovers (module doc): LM head from two rows, narrow projections from 8-16
+    assert crossover_rows(256, 4096) == 2
     assert crossover_rows(768, 256) == 3
     assert crossover_rows(256, 512) == 4
     assert crossover_rows(256, 256) == 8
@@ -90,7 +90,7 @@ def test_pack_model_keeps_parameters_and_skips_what_it_does_not_own() -> None:
     assert [w.max_rows for w in packed] == [128, 128]
     (w,) = pack_model(low, max_rows=128)
     assert type(low[0]) is RowBucketedLinear and low[0].gemm is w
-    assert (w.min_rows, w.max_rows) == (1, 15)  # its fp32 products only: the copy takes 16+
+    assert (w.min_rows, w.max_rows) == (2, 15)  # its fp32 products only: the copy takes 16+
     x = torch.randn(3, 256)
     with torch.no_grad():
         torch.testing.assert_close(low(x), F.linear(x, low[0].weight), rtol=1e-5, atol=1e-5)
