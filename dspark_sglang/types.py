@@ -109,9 +109,9 @@ class StepRecord:
     # wall time of the target forward (logits included) alone; nan: the engine did not time it
     forward_seconds: float = float("nan")
     num_draft_reqs: int = 0  # rows the drafter ran on (0: it did not run)
-    # a lagged probe: the drafter ran on a few rows of a K = 0 step for acceptance evidence; its
-    # time (a few rows, plus the draft-context backlog of every row since the last drafting
-    # step) prices no step the planner chooses between, so the draft term does not learn from it
+    # a lagged probe: the drafter ran on a few rows of a K = 0 step for acceptance evidence; the
+    # time of a few rows prices no step the planner chooses between, so the draft term learns
+    # only from a probe of every row whose drafter was not resumed (the planner's retime step)
     probe: bool = False
     # the drafter's first run after steps without it (lagged K = 0): its time carries the
     # draft-context backlog of those steps and a cold drafter, not what drafting costs per step

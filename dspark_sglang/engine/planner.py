@@ -79,6 +79,12 @@ POOL_ROWS, POOL_MIN = 256, 16
 # nothing). The cost is bounded: at most (1 - EXPLORE_RATIO) of a step's predicted throughput, a
 # few steps per R bin (the first is resumed, the next CAP_MIN_RECORDS teach).
 EXPLORE_RATIO = 0.75
+# A lagged probe that drafted every row of a batch after skipped steps (a resumed drafter, which
+# prices nothing) is followed by one more drafting step, once probes have backed off: the
+# drafter's price at that R is then retimed each probe gap. Nothing else times it while K stays 0,
+# so a price once set too high held K at 0 for good: served, 2026-12-03 (sweep 06d3171, c = 1),
+# a host spike of three steps restarted the R = 1 drafter price at 5.1 ms where drafting added
+# 2.3, and lagged decoded plainly for the rest of the run (0.81 of verify-all in that pass).
 # The live estimator is fed the records of steps that did not draft FOLD_RECORDS at a time (a
 # drafting step's record, and those queued before it, at once: exploration counts timed drafting
 # steps). Fed one per step, its update ran cold after each forward: 99 us median inside the CPU
@@ -158,6 +164,7 @@ class VerifyPlanner:
         self._draft_cache: tuple[int, np.ndarray, CapacityModel] | None = None
         self._since_draft = 0  # lagged: steps since the drafter last ran
         self._probe_every = PROBE_MIN
+        self._retime = False  # the step after a whole-batch probe drafts too (retimes the price)
         self._drafting_run = 0  # consecutive steps with K > 0
         self._probe_next = 0  # rotation offset of the rows the next probe drafts
         self._probe_load = 0  # batch size when the probe gap was last PROBE_MIN
@@ -241,8 +248,9 @@ class VerifyPlanner:
         history and the confidence correction: without drafts the history only holds old
         confidences and the prior, and a pessimistic prior would keep K at 0 forever even where
         drafting pays. Once PROBE_EVIDENCE drafts were verified, probes back off exponentially
-        (PROBE_MIN to PROBE_MAX steps apart) while they keep finding K = 0."""
-        return self._since_draft >= self._probe_every
+        (PROBE_MIN to PROBE_MAX steps apart) while they keep finding K = 0. A backed-off
+        whole-batch probe is followed by a second drafting step (the retime, see above)."""
+        return self._retime or self._since_draft >= self._probe_every
 
     def _track_load(self, r: int) -> None:
         """Resets the probe gap after a load shift (LOAD_SHIFT); remembers the load while the gap
@@ -335,9 +343,12 @@ class VerifyPlanner:
             # confidences; letting each such blip reset the gap kept a 2-core CPU engine at
             # c = 1 probing every ~10 steps, a drafter pass and an 8-token verify each time.
             self._track_load(len(batch[0]) if batch is not None else r)
+            retime, self._retime = self._retime, False
             if k == 0:
-                if self._evidence() >= PROBE_EVIDENCE:
+                if self._evidence() >= PROBE_EVIDENCE and not retime:
                     self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+                whole = batch is None or len(batch[0]) == r
+                self._retime = resumed and whole and self._probe_every > PROBE_MIN
                 self._drafting_run = 0
             else:
                 self._drafting_run += 1

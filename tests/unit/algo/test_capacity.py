@@ -764,6 +764,74 @@ def test_the_draft_term_follows_the_level_back_after_a_drift() -> None:
     assert float(est.model.draft_seconds(1)) == pytest.approx(d, rel=0.1)
 
 
+def test_a_spike_of_a_few_steps_does_not_reset_the_drafters_price() -> None:
+    """A host stall over four steps (three of them drafting at R = 1, the drafter's share hit
+    harder than the forward's) fires the drift alarm. Restarting R = 1's drafter price at those
+    steps' median priced it 2x for good on a served CPU engine (sweep 06d3171: 5.1 ms where
+    drafting added 2.3, and lagged stayed at K = 0); three records restart nothing, the level
+    comes back, and so does the price."""
+    rng = np.random.default_rng(4)
+    est = LiveEstimator(TRUTH)
+    d = 0.004
+
+    def rec(t: int, drafted: bool, stall: float = 1.0, dstall: float = 1.0) -> StepRecord:
+        fwd = stall * TRUTH.predict(1, 8 if drafted else 1, 800) * np.exp(rng.normal(0.0, 0.02))
+        y = fwd + (dstall * d * np.exp(rng.normal(0.0, 0.02)) if drafted else 0.0)
+        return StepRecord(
+            t,
+            1,
+            8 if drafted else 1,
+            0,
+            1,
+            800,
+            float(y),
+            draft_seconds=0.001 * drafted,
+            forward_seconds=float(fwd),
+            num_draft_reqs=int(drafted),
+        )
+
+    for t in range(300):
+        est.observe(rec(t, t % 3 != 0))
+    assert float(est.model.draft_seconds(1)) == pytest.approx(d, rel=0.05)
+    alarms = est.drift_events
+    est.observe(rec(300, False, stall=2.5))
+    for t in range(301, 304):
+        est.observe(rec(t, True, stall=3.0, dstall=6.0))
+    assert est.drift_events > alarms
+    for t in range(304, 500):  # plain steps only: K = 0 after the stall
+        est.observe(rec(t, False))
+    assert float(est.model.draft_seconds(1)) == pytest.approx(d, rel=0.15)
+
+
+def test_a_whole_batch_probe_that_was_not_resumed_prices_drafting() -> None:
+    """The step after a backed-off whole-batch probe drafts again (the planner's retime): its
+    drafter is not resumed and drafted every row, so it is a drafting step like any other and
+    teaches the price, which nothing else does while K stays 0."""
+    high = with_draft_curve(lambda r: 0.02)  # a prior that prices drafting 5x dear
+    est = LiveEstimator(high)
+    d = 0.004
+    for t in range(400):
+        drafted = t % 10 in (0, 1)  # a resumed probe, then the retime
+        fwd = float(TRUTH.predict(1, 8 if drafted else 1, 800))
+        rec = StepRecord(
+            t,
+            1,
+            8 if drafted else 1,
+            0,
+            1,
+            800,
+            fwd + (d if drafted else 0.0),
+            draft_seconds=0.001 * drafted,
+            forward_seconds=fwd,
+            num_draft_reqs=int(drafted),
+            probe=drafted,
+            draft_resumed=t % 10 == 0,
+        )
+        est.observe(rec)
+    assert float(est.model.draft_seconds(1)) == pytest.approx(d, rel=0.25)
+    assert float(est.model.draft_seconds(1)) < 0.25 * 0.02
+
+
 def test_host_term_round_trips_and_enters_every_price() -> None:
     m = replace(additive(), host=Curve((1.0, 64.0), (0.001, 0.003)))
     assert CapacityModel.from_dict(m.to_dict()) == m

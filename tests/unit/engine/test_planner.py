@@ -64,6 +64,42 @@ def test_probe_gap_resets_only_after_sustained_drafting() -> None:
     assert p._probe_every == PROBE_MAX
 
 
+def test_a_backed_off_whole_batch_probe_is_retimed_by_the_next_step() -> None:
+    """After skipped steps a probe's drafter is resumed and prices nothing; once probes have backed
+    off, a probe that drafted every row asks for one more drafting step (not resumed: it times
+    the drafter at this R), which does not back the gap off again. A probe of a few rows of a
+    larger batch, and a probe at PROBE_MIN, ask for none."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import PROBE_EVIDENCE, PROBE_MIN, VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False)
+    ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
+    whole = (ids, max_len, 10)
+    p.skip(ids, max_len, 10)
+    p.plan(ids, logits, max_len, 10, 0, whole)  # too little evidence: the gap stays at PROBE_MIN
+    assert p._probe_every == PROBE_MIN and not p.should_probe()
+    p.prior = replace(p.prior, trials=(float(PROBE_EVIDENCE),) * 4)
+    for _ in range(PROBE_MIN):
+        p.skip(ids, max_len, 10)
+    assert p.should_probe()
+    plan = p.plan(ids, logits, max_len, 10, 0, whole)
+    assert plan.probe and plan.resumed and p._probe_every == 2 * PROBE_MIN
+    assert p.should_probe()  # the retime
+    plan = p.plan(ids, logits, max_len, 10, 0, whole)
+    assert plan.probe and not plan.resumed and p._probe_every == 2 * PROBE_MIN
+    assert not p.should_probe()  # one retime per probe
+    p.skip(ids, max_len, 10)
+    assert not p.should_probe()
+    # four rows of an eight-row batch: nothing retimes them at R = 8
+    many, many_len = list(range(8)), np.full(8, 4)
+    for _ in range(2 * PROBE_MIN):
+        p.skip(many, many_len, 80)
+    p.plan(many[:4], np.zeros((4, 4)), many_len[:4], 40, 0, (many, many_len, 80))
+    assert p._probe_every == 2 * PROBE_MIN and not p.should_probe()  # (the load shift reset it)
+
+
 def test_probes_do_not_back_off_before_enough_drafts_were_verified() -> None:
     """A few probes are a small sample: until PROBE_EVIDENCE first drafts were verified the gap
     stays at PROBE_MIN however often K came out 0; the verified drafts of probes count."""
@@ -416,7 +452,7 @@ def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None
     def rec(t: int, drafted: bool) -> StepRecord:
         y = 0.003 * (2.0 if t > 40 else 1.0) * rng.uniform(0.95, 1.05)  # a 2x drift at t = 41
         if drafted:
-            return StepRecord(t, 1, 4, 0, 1, 100 + t, y + 0.004, draft_seconds=0.004)
+            return StepRecord(t, 1, 4, 0, 1, 100 + t, 2 * y + 0.004, draft_seconds=0.004)
         return StepRecord(t, 1, 1, 0, 1, 100 + t, y)
 
     published = None
