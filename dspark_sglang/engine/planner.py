@@ -83,7 +83,7 @@ EXPLORE_RATIO = 0.75
 # prices nothing) is followed by one more drafting step, once probes have backed off: the
 # drafter's price at that R is then retimed each probe gap. Nothing else times it while K stays 0,
 # so a price once set too high held K at 0 for good: served, 2026-12-03 (sweep 06d3171, c = 1),
-# a host spike of three steps restarted the R = 1 drafter price at 5.1 ms where drafting added
+# a host stall of four steps restarted the R = 1 drafter price at 5.1 ms where drafting added
 # 2.3, and lagged decoded plainly for the rest of the run (0.81 of verify-all in that pass).
 # The live estimator is fed the records of steps that did not draft FOLD_RECORDS at a time (a
 # drafting step's record, and those queued before it, at once: exploration counts timed drafting
