@@ -33,6 +33,7 @@ from dspark_sglang.config import (
 from dspark_sglang.engine.batch import ForwardBatch, build_batch
 from dspark_sglang.engine.block_pool import BlockPool
 from dspark_sglang.engine.detokenizer import IncrementalDetokenizer, find_stop
+from dspark_sglang.engine.draft_context import PendingContext
 from dspark_sglang.engine.ep import create_runner
 from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.engine.kv_cache import slots
@@ -108,7 +109,12 @@ def _generation_eos(model_path: str) -> tuple[int, ...]:
 
 _NONE_VERIFIED = np.zeros(0, np.int64)
 _NONE_VERIFIED.flags.writeable = False
-_MAX_PENDING_CTX_ROWS = 4096  # deferred drafter-context rows held at most (a few MB of taps)
+# Deferred drafter-context rows held at most: their taps' bytes, and never fewer rows than this.
+# Rows of requests that finish before drafting again are dropped unprojected, so the longer a
+# plain stretch is held, the less of it is ever projected (the bundled pair at c = 64: 21 k
+# rows, about 330 steps).
+_MAX_PENDING_CTX_BYTES = 64 << 20
+_MIN_PENDING_CTX_ROWS = 4096
 
 
 def _last_of_each(slot_ids: torch.Tensor) -> torch.Tensor | None:
@@ -174,8 +180,9 @@ class LLMEngine:
         self._forward_seconds = math.nan
         self._planned_ids: frozenset[int] = frozenset()
         # verified rows (taps, positions, slots) not yet projected into the drafter's context
-        self._pending_ctx: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._pending_rows = 0
+        self._pending = PendingContext(
+            self.pool.num_blocks, self.runner.page_size, self.runner.device
+        )
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -316,7 +323,7 @@ class LLMEngine:
         )
         self.runner.write_kv(slot_ids, h.kv.to(self.runner.device))
         if drafter is not None and h.draft_ctx is not None:
-            self._flush_draft_context()  # older rows for these (reused) slots must land first
+            self._pending.supersede(seq.block_table)  # older rows of these (reused) blocks
             pos = torch.arange(n, device=self.runner.device)
             self.runner.write_draft_context(h.draft_ctx.to(self.runner.device), pos, slot_ids)
         detok = IncrementalDetokenizer(self.tokenizer, h.prompt_ids) if self.tokenizer else None
@@ -411,11 +418,11 @@ class LLMEngine:
                 ready = [ready[i] for i in keep]
                 ids, max_len = [ids[i] for i in keep], max_len[keep]
                 ctx = sum(s.num_tokens for s in ready)
-        # More pending context rows than one drafting step verifies (a prompt's, or skipped
-        # steps'): this drafter run prices no step the planner chooses between (draft_resumed).
-        self._draft_backlog = self._pending_rows > len(self._planned_ids) * (self.gamma + 1)
         t0 = time.perf_counter()
-        self._flush_draft_context()
+        # More context rows to project than one drafting step verifies (a prompt's, or skipped
+        # steps'): this drafter run prices no step the planner chooses between (draft_resumed).
+        flushed = self._flush_draft_context(ready)
+        self._draft_backlog = flushed > len(ready) * (self.gamma + 1)
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
         temps, _, _ = sampling_tensors([s.params for s in ready], self.runner.device)
         proposal = self.runner.draft(batch, temps, self._generators(ready))
@@ -455,25 +462,23 @@ class LLMEngine:
             rows += range(start, start + keep)
             start += s.num_new_tokens
         if len(rows) == batch.num_tokens:  # every row verified (a step without drafts)
-            self._pending_ctx.append((taps, batch.positions, batch.attn.slot_mapping))
+            self._pending.add(taps, batch.positions, batch.attn.slot_mapping)
         else:
             idx = torch.tensor(rows, device=taps.device)
-            self._pending_ctx.append(
-                (taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx])
-            )
-        self._pending_rows += len(rows)
+            self._pending.add(taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx])
         handoff = any(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         if not handoff:
-            if self._pending_rows >= _MAX_PENDING_CTX_ROWS:
+            cap = max(_MIN_PENDING_CTX_ROWS, _MAX_PENDING_CTX_BYTES // taps[0].nbytes)
+            if self._pending.rows >= cap:
                 self._flush_draft_context()
             return
         # A step of prefill-only requests alone (a prefill worker's) projects its rows for the
         # handoffs and writes none into this engine's drafter cache: no drafter runs on them
         # here (0.54 ms of a 12.2 ms one-prompt prefill step on the CPU engine).
-        own = len(self._pending_ctx) > 1 or not all(
+        own = len(self._pending) > 1 or not all(
             self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs
         )
-        c = self._flush_draft_context(write=own)[-len(rows) :]  # this step's rows come last
+        c = self._project_all(write=own)[-len(rows) :]  # this step's rows come last
         start = 0
         for s in plan.seqs:  # prefill-only requests keep their C rows for the handoff
             n = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
@@ -482,26 +487,44 @@ class LLMEngine:
                 self._state[s.seq_id].ctx_chunks.append(c[start : start + n])
             start += n
 
-    def _flush_draft_context(self, write: bool = True) -> torch.Tensor:
-        """Project every verified row not yet in the drafter's context, in one batch; -> C of
-        those rows. Deferred until the drafter next runs: a lagged K = 0 step has no use for
-        them, and one projection of many rows costs about what one of a few rows does. Rows go
-        in step order, and a slot written twice (its blocks freed and reused meanwhile) keeps
-        its newest row, exactly as if each step had written its own. write=False: C only, for
-        rows that leave in handoffs."""
-        if not self._pending_ctx:
+    def _flush_draft_context(self, seqs: Seq[Sequence] | None = None) -> int:
+        """Project the verified rows the drafter's context lacks, in one batch: those of `seqs`
+        (None: of every live request); -> rows projected. Deferred until the drafter next runs
+        on a request: a lagged K = 0 step has no use for them, one projection of many rows
+        costs about what one of a few rows does, and rows of requests that finish first are
+        never projected. Rows go in step order, and a slot written twice (its blocks freed and
+        reused meanwhile) keeps its newest row, exactly as if each step had written its own."""
+        if seqs is not None and len(seqs) == len(self.scheduler.seqs):
+            seqs = None  # every request: a fast path when only one step's rows wait
+        live = [b for s in self.scheduler.seqs.values() for b in s.block_table]
+        wanted = None if seqs is None else [b for s in seqs for b in s.block_table]
+        rows = self._pending.take(live, wanted)
+        if rows is None:
+            return 0
+        taps, pos, slot_ids = rows
+        self._write_context(self.runner.drafter_context(taps), pos, slot_ids)
+        return int(slot_ids.shape[0])
+
+    def _project_all(self, write: bool) -> torch.Tensor:
+        """C of every pending row, in order (a prefill step's rows leave in handoffs);
+        write=True also writes them into this engine's drafter cache."""
+        rows = self._pending.take_all()
+        if rows is None:
             return torch.empty(0)
-        taps, pos, slot_ids = (torch.cat(parts) for parts in zip(*self._pending_ctx, strict=True))
-        self._pending_ctx, self._pending_rows = [], 0
+        taps, pos, slot_ids, fresh = rows
         c = self.runner.drafter_context(taps)
-        if not write:
-            return c
+        if write and bool(fresh.all()):
+            self._write_context(c, pos, slot_ids)
+        elif write:
+            self._write_context(c[fresh], pos[fresh], slot_ids[fresh])
+        return c
+
+    def _write_context(self, c: torch.Tensor, pos: torch.Tensor, slot_ids: torch.Tensor) -> None:
         keep = _last_of_each(slot_ids)
         if keep is None:
             self.runner.write_draft_context(c, pos, slot_ids)
         else:
             self.runner.write_draft_context(c[keep], pos[keep], slot_ids[keep])
-        return c
 
     def _count(
         self,

@@ -194,6 +194,70 @@ def test_draft_context_equals_full_recompute(pair: tuple[Path, Path]) -> None:
     assert spec.stats.rounds >= 5
 
 
+def _context_matches_recompute(spec: LLM, hf: torch.nn.Module, seq: Sequence) -> None:
+    """The drafter's context K/V at every position before seq's anchor equals the projection
+    of a full-recompute target forward of those tokens."""
+    tokens = seq.tokens(0, seq.num_tokens - 1)
+    drafter = spec.runner.drafter
+    with torch.no_grad():
+        hs = hf(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        taps = torch.cat([hs[i + 1][0] for i in drafter.cfg.target_layer_ids], -1)
+        want = drafter.context_kv(drafter.project_context(taps), torch.arange(len(tokens)))
+    page = spec.runner.page_size
+    slots = [seq.block_table[p // page] * page + p % page for p in range(len(tokens))]
+    for (k_cache, v_cache), (k, v) in zip(spec.runner.draft_kv, want, strict=True):
+        torch.testing.assert_close(k_cache[slots], k, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(v_cache[slots], v, atol=2e-4, rtol=1e-4)
+
+
+def test_deferred_context_of_requests_drafted_a_few_at_a_time_equals_full_recompute(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Stretches of plain lagged steps, steps that draft one request of several, requests that
+    finish and free their blocks for others, handoffs adopted into reused blocks: whenever the
+    drafter runs on a request, that request's context is exactly a full recompute's (rows of
+    finished requests and rows a handoff supersedes are dropped, the rest of the batch's rows
+    wait)."""
+    target, drafter = pair
+    spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, num_blocks=20, draft_dtype="float32")
+    prefill = LLM(str(target), draft_model=str(drafter), page_size=4, draft_dtype="float32")
+    hf = hf_reference(target)
+    n = [0]
+    assert spec.planner is not None
+    spec.planner.budget = lambda ids, max_len, ctx: 2 if n[0] % 4 == 3 else 0  # type: ignore
+    spec.planner.should_probe = lambda: False  # type: ignore[method-assign]
+    spec.planner.draft_rows = lambda ids, k, max_len: np.array([n[0] % len(ids)])  # type: ignore
+    checked: list[int] = []
+    inner = spec.runner.draft
+
+    def check(batch, temps, gens):  # type: ignore[no-untyped-def]
+        for sid in batch.seq_ids:
+            _context_matches_recompute(spec, hf, spec.scheduler.seqs[sid])
+            checked.append(sid)
+        return inner(batch, temps, gens)
+
+    spec.runner.draft = check  # type: ignore[method-assign]
+    ps = prompts(9, seed=21)
+    for i, p in enumerate(ps[:4]):
+        spec.add_request(p, SamplingParams(temperature=0.0, max_tokens=6 + 5 * i))
+    handoffs = []
+    for p in ps[4:]:
+        prefill.add_request(p, SamplingParams(temperature=0.0, max_tokens=14), prefill_only=True)
+    while prefill.has_unfinished():
+        handoffs += [o.handoff for o in prefill.step() if o.finished]
+    adopted = 0
+    while spec.has_unfinished() or handoffs:
+        if handoffs and n[0] % 5 == 4 and spec.try_adopt(handoffs[0]) is not None:
+            handoffs.pop(0)
+            adopted += 1
+        if spec.has_unfinished():
+            spec.step()
+        n[0] += 1
+    assert adopted == 5 and len(set(checked)) >= 6
+    # blocks were handed out again while rows of their last owner were still pending
+    assert spec.pool.num_free_blocks == spec.pool.num_blocks
+
+
 class BigramDrafter:
     """q(x | prev) = softmax(W[prev] / t): a cheap drafter with a known distribution."""
 

@@ -1,0 +1,106 @@
+"""PendingContext: deferred drafter-context rows hand back what eager writes would have left."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark_sglang.engine.draft_context import PendingContext
+from dspark_sglang.engine.engine import _last_of_each
+
+PAGE, BLOCKS = 4, 12
+
+
+def _write(cache: dict[int, float], rows: tuple[torch.Tensor, ...] | None) -> None:
+    if rows is None:
+        return
+    taps, _, slot_ids = rows[:3]
+    keep = _last_of_each(slot_ids)
+    idx = range(len(slot_ids)) if keep is None else keep.tolist()
+    for i in idx:
+        cache[int(slot_ids[i])] = float(taps[i, 0])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(seed: int) -> None:
+    """Random owners take and free blocks, verify rows (appended in step order), have prompts
+    written directly (an adopted handoff) and get drafted a few at a time; whenever a request
+    drafts, every slot it has written since it got the block holds the same row as under
+    eager writes of every step."""
+    rng = random.Random(seed)
+    pend = PendingContext(BLOCKS, PAGE, "cpu")
+    eager: dict[int, tuple[float, int]] = {}  # slot -> (value, owner that wrote it)
+    lazy: dict[int, float] = {}
+    owner: dict[int, int] = {}  # block -> request id
+    free = list(range(BLOCKS))
+    next_id, value = 0, 0.0
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.25 and free:  # a request arrives: some blocks, maybe a directly written prompt
+            rid, next_id = next_id, next_id + 1
+            n = min(len(free), rng.randint(1, 2))
+            blocks = [free.pop(rng.randrange(len(free))) for _ in range(n)]
+            for b in blocks:
+                owner[b] = rid
+            if rng.random() < 0.5:
+                pend.supersede(blocks)
+                for b in blocks:
+                    for s in range(b * PAGE, b * PAGE + rng.randint(1, PAGE)):
+                        value += 1
+                        eager[s] = (value, rid)
+                        lazy[s] = value
+        elif op < 0.4 and owner:  # a request finishes (or is preempted): its blocks go free
+            rid = rng.choice(sorted(set(owner.values())))
+            for b in [b for b, r in owner.items() if r == rid]:
+                del owner[b]
+                free.append(b)
+        elif op < 0.8 and owner:  # a step verifies rows of live requests, in some order
+            slots = [
+                b * PAGE + rng.randrange(PAGE) for b in owner for _ in range(rng.randint(0, 2))
+            ]
+            rng.shuffle(slots)
+            if slots:
+                vals = torch.arange(value + 1, value + 1 + len(slots)).unsqueeze(1)
+                value += len(slots)
+                for s, v in zip(slots, vals[:, 0].tolist(), strict=True):
+                    eager[s] = (v, owner[s // PAGE])
+                sl = torch.tensor(slots)
+                pend.add(vals, sl.clone(), sl)
+        elif owner:  # the drafter runs on some requests (None: every live one)
+            live = sorted(owner)
+            rids = sorted(set(owner.values()))
+            picked = None if rng.random() < 0.3 else rng.sample(rids, rng.randint(1, len(rids)))
+            wanted = None if picked is None else [b for b in live if owner[b] in picked]
+            _write(lazy, pend.take(live, wanted))
+            for b in wanted if wanted is not None else live:
+                for s in range(b * PAGE, (b + 1) * PAGE):
+                    if s in eager and eager[s][1] == owner[b]:
+                        assert lazy.get(s) == eager[s][0], (seed, s)
+    assert pend.rows >= 0
+
+
+def test_rows_of_freed_blocks_and_superseded_rows_are_dropped_and_the_rest_wait() -> None:
+    pend = PendingContext(8, 2, "cpu")
+    pend.add(torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([0, 1, 2]), torch.tensor([0, 2, 4]))
+    pend.supersede([1])  # block 1 (slot 2) written directly: row 2.0 is stale
+    pend.add(torch.tensor([[4.0]]), torch.tensor([3]), torch.tensor([3]))  # newer, block 1
+    # block 2 (slot 4) is no longer live; only block 0 is wanted now
+    taps, _, slot_ids = pend.take(live=[0, 1], wanted=[0])
+    assert taps[:, 0].tolist() == [1.0] and slot_ids.tolist() == [0]
+    assert pend.rows == 1  # block 1's newer row waits; the stale and the dead ones are gone
+    taps, _, slot_ids = pend.take(live=[0, 1])
+    assert taps[:, 0].tolist() == [4.0] and slot_ids.tolist() == [3]
+    assert pend.rows == 0 and pend.take(live=[0, 1]) is None
+
+
+def test_take_all_keeps_every_row_and_marks_the_superseded() -> None:
+    pend = PendingContext(4, 2, "cpu")
+    pend.add(torch.tensor([[1.0], [2.0]]), torch.tensor([0, 1]), torch.tensor([0, 2]))
+    pend.supersede([0])
+    pend.add(torch.tensor([[3.0]]), torch.tensor([2]), torch.tensor([1]))
+    taps, _, slot_ids, fresh = pend.take_all()
+    assert taps[:, 0].tolist() == [1.0, 2.0, 3.0] and slot_ids.tolist() == [0, 2, 1]
+    assert fresh.tolist() == [False, True, True]
+    assert pend.rows == 0 and len(pend) == 0
