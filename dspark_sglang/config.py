@@ -248,6 +248,10 @@ class DraftConfig:
     # (4-5x faster GEMMs there: served drafter 44.4 -> 28.1 ms a pass at R = 64; docs/engine.md).
     # Any precision is lossless: the verifier divides by the q the drafts were drawn from.
     draft_dtype: str = "auto"
+    # A prefill worker's engine: the drafter only projects the handoffs' context C (its fc and
+    # norm); it never drafts, so no drafter K/V pool is allocated and the whole KV budget goes
+    # to the target (the bundled pair: 1.5x the target blocks). Requests must be prefill-only.
+    context_only: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_dtype not in ("auto", *DTYPES):

@@ -171,6 +171,8 @@ class LLMEngine:
             and not drafter.cfg.confidence_head
         ):
             raise ConfigError("--schedule-mode threshold:C needs a drafter with a confidence head")
+        if config.draft.context_only and self.mode.name in ("sync", "lagged"):
+            raise ConfigError(f"a context_only engine never drafts: {self.mode.name} has no use")
         self.stats = SpecStats(self.gamma)
         self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
@@ -283,6 +285,8 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if self.config.draft.context_only and self.runner.drafter is not None and not prefill_only:
+            raise ConfigError("this engine only prefills for handoffs (context_only drafter)")
         seq = self.scheduler.add(ids, params, prefill_only)
         seed = params.seed
         if seed is None:
@@ -294,6 +298,8 @@ class LLMEngine:
     def try_adopt(self, h: SeqHandoff) -> int | None:
         """Continue a request prefilled elsewhere; None when KV or the running set is full."""
         drafter = self.runner.drafter
+        if drafter is not None and self.config.draft.context_only:
+            raise ConfigError("this engine only prefills for handoffs (context_only drafter)")
         arch = self.runner.arch
         h.validate(
             arch.num_hidden_layers,
@@ -475,8 +481,9 @@ class LLMEngine:
         # A step of prefill-only requests alone (a prefill worker's) projects its rows for the
         # handoffs and writes none into this engine's drafter cache: no drafter runs on them
         # here (0.54 ms of a 12.2 ms one-prompt prefill step on the CPU engine).
-        own = len(self._pending) > 1 or not all(
-            self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs
+        own = not self.config.draft.context_only and (
+            len(self._pending) > 1
+            or not all(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         )
         c = self._project_all(write=own)[-len(rows) :]  # this step's rows come last
         start = 0

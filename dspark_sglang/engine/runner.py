@@ -91,7 +91,8 @@ class ModelRunner:
             )
         self.max_model_len = limit
         self.page_size = cache_cfg.page_size
-        draft_geom = _draft_geometry(draft_arch) if draft_arch is not None else None
+        pool = draft_arch is not None and not draft_cfg.context_only
+        draft_geom = _draft_geometry(draft_arch) if pool else None
         extra = bytes_per_block(draft_geom, self.page_size, self.draft_dtype) if draft_geom else 0
         self.num_blocks = num_blocks_for(self.arch, cache_cfg, self.dtype, extra)
         self.kv = allocate_kv(self.arch, self.num_blocks, self.page_size, self.dtype, self.device)

@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 def run(cfg: Config, index: int) -> None:
     # A prefill engine never drafts (requests end at their first token), so its verify planner
-    # needs no capacity model: skip the start-up profiling that lagged/sync modes would run.
-    cfg = replace(cfg, draft=replace(cfg.draft, schedule_mode="verify-all"))
+    # needs no capacity model (no start-up profiling) and its drafter no K/V pool.
+    cfg = replace(cfg, draft=replace(cfg.draft, schedule_mode="verify-all", context_only=True))
     link = WorkerLink(cfg, "prefill", index)
     engine = link.engine
     decodes = [Sender(a, link.sec) for a in cfg.serve.decode_addrs]

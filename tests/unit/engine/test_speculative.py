@@ -668,6 +668,44 @@ def test_prefill_decode_handoff_continues_exactly(
     assert decode.pool.num_free_blocks == decode.pool.num_blocks
 
 
+def test_a_context_only_prefill_engine_hands_off_the_same_and_keeps_no_drafter_pool(
+    pair: tuple[Path, Path],
+) -> None:
+    """The prefill worker's engine (`context_only`): the same handoffs (KV, first token, drafter
+    context C) as an engine with a drafter pool, no drafter K/V pool, so the same KV budget
+    holds more target blocks, and a clear error for what it cannot do."""
+    from dspark_sglang.config import ConfigError
+
+    target, drafter = pair
+    ps = prompts(4, seed=13)
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    kw = dict(draft_model=str(drafter), page_size=4, kv_cache_bytes=1 << 20)
+    full, lean = LLM(str(target), **kw), LLM(str(target), context_only=True, **kw)
+    assert lean.runner.draft_kv == [] and lean.pool.num_blocks > full.pool.num_blocks
+    assert (
+        lean.pool.num_blocks
+        == LLM(str(target), page_size=4, kv_cache_bytes=1 << 20).pool.num_blocks
+    )
+
+    def handoffs(llm: LLM) -> list:
+        ids = [llm.add_request(p, sp, prefill_only=True) for p in ps]
+        got = {}
+        while llm.has_unfinished():
+            got |= {o.seq_id: o.handoff for o in llm.step() if o.finished}
+        return [got[i] for i in ids]
+
+    for a, b in zip(handoffs(full), handoffs(lean), strict=True):
+        assert a.first_token == b.first_token
+        torch.testing.assert_close(a.kv, b.kv)
+        torch.testing.assert_close(a.draft_ctx, b.draft_ctx)
+    with pytest.raises(ConfigError, match="only prefills for handoffs"):
+        lean.add_request(ps[0], sp)
+    with pytest.raises(ConfigError, match="only prefills for handoffs"):
+        lean.try_adopt(handoffs(full)[0])
+    with pytest.raises(ConfigError, match="never drafts"):
+        LLM(str(target), context_only=True, schedule_mode="lagged", **kw)
+
+
 def test_handoff_with_a_bad_rng_state_is_refused_before_it_takes_kv(
     pair: tuple[Path, Path],
 ) -> None:
