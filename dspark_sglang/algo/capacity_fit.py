@@ -281,7 +281,10 @@ class EstimatorConfig:
     reject_z: float = 5.0  # |residual| / σ beyond which a record is an outlier
     cusum_k: float = 0.5  # CUSUM slack, in σ
     cusum_h: float = 16.0  # CUSUM alarm level, in σ: ≥ 4 clipped outliers in a row
-    rate: float = 0.05  # slowest EWMA rate (≈ 20-record memory once warm)
+    rate: float = 0.05  # slowest EWMA rate of the level g (≈ 20-record memory once warm)
+    # slowest EWMA rate of a bucket's deviation u (≈ 200 records): the shape is the prior's
+    # and the profile's, and moves slowly; what moves fast is the host, the level
+    shape_rate: float = 0.005
     prior_weight: float = 8.0  # pseudo-records holding the level and each bucket at the prior
     min_sigma: float = 0.02  # noise floor on log step time (a deterministic clock has MAD 0)
     popularity_rate: float = 0.02  # EWMA rate of the expert histogram
@@ -417,7 +420,7 @@ class LiveEstimator:
                 self._observe_draft(draft_r, dsec, untimed)
             self._g += max(cfg.rate, 1.0 / (self._n_g + 1.0 + cfg.prior_weight)) * (e - u - self._g)
             self._n_g += 1.0
-            self._u[i] += max(cfg.rate, 1.0 / (self._n[i] + 1.0)) * (e - self._g - self._u[i])
+            self._u[i] += max(cfg.shape_rate, 1.0 / (self._n[i] + 1.0)) * (e - self._g - self._u[i])
             self._n[i] += 1.0
             # A bucket's records fix only the sum g + u: with one bucket fed (lagged K = 0 steps
             # at c = 1) the split random-walked (CPU engine: g 0.67, u[B = 1] -0.48 after 2,700

@@ -623,6 +623,55 @@ def test_one_bucket_fed_prices_the_others_at_its_level() -> None:
         assert ratio == pytest.approx(np.exp(level), rel=0.06)
 
 
+def test_a_long_stretch_of_one_bucket_after_many_keeps_the_others_at_its_level() -> None:
+    """Drafting steps (B = 8) and plain ones (B = 1) for a while, then lagged K = 0 at c = 1 for
+    thousands of steps on a host with short slow spells (5-12 steps at +50 %): only B = 1 is fed.
+    Each spell fires a drift alarm that restarts the level high; with a bucket's deviation learned
+    as fast as the level, the return split half into B = 1's deviation, which ratcheted down
+    spell after spell while holding the deviations' weighted mean at 0 pushed B = 8's up. B = 8
+    was then priced at 6-15x its time and the drafter at R = 1 at 2-2.4x, and a probe's B = 8
+    record, that far off, was rejected as an outlier (served sweep 9657e9e, third pass, replayed:
+    B = 8 at 3-9x; lagged decoded 5,981 of 6,141 R = 1 steps plainly while drafting paid 11 %).
+    The shape moves ten times slower than the level now."""
+    rng = np.random.default_rng(0)
+    est = LiveEstimator(TRUTH)
+    d = 0.004
+    for t in range(3000):
+        drafted = t % 3 != 0
+        b = 8 if drafted else 1
+        fwd = TRUTH.predict(1, b, 800) * np.exp(rng.normal(0.0, 0.05))
+        y = fwd + (d * np.exp(rng.normal(0.0, 0.05)) if drafted else 0.0)
+        est.observe(
+            StepRecord(
+                t,
+                1,
+                b,
+                0,
+                1,
+                800,
+                float(y),
+                draft_seconds=d * drafted,
+                forward_seconds=float(fwd),
+                num_draft_reqs=int(drafted),
+            )
+        )
+    spell, worst_b8, worst_d1 = 0, 1.0, 1.0
+    for t in range(3000, 9000):
+        if spell == 0 and rng.random() < 0.02:
+            spell = int(rng.integers(5, 12))
+        y = TRUTH.predict(1, 1, 800) * np.exp((0.4 if spell else 0.0) + rng.normal(0.0, 0.05))
+        spell = max(0, spell - 1)
+        est.observe(StepRecord(t, 1, 1, 0, 1, 800, float(y), forward_seconds=float(y) * 0.9))
+        if t % 50 == 0 and not spell:
+            b8 = float(est.model.predict(1, 8, 800)) / float(TRUTH.predict(1, 8, 800))
+            d1 = float(est.model.draft_seconds(1)) / d
+            worst_b8, worst_d1 = max(worst_b8, b8, 1 / b8), max(worst_d1, d1, 1 / d1)
+    assert est.drift_events > 50  # the spells did fire alarms
+    # what remains is the level's lag right after a spell (its ~20-record memory)
+    assert worst_b8 < 2.2 and worst_d1 < 1.8, (worst_b8, worst_d1)
+    assert abs(est._u[0]) < 0.15
+
+
 def test_the_live_scale_corrects_the_b_its_records_ran() -> None:
     """A forward that is concave in B between two knots of the start-up grid (an MoE whose experts
     are all busy by B = 12 of 16): records at B = 12 must correct B = 12, not the knot at 16
