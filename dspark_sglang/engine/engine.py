@@ -474,7 +474,8 @@ class LLMEngine:
             self._pending.add(taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx])
         handoff = any(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         if not handoff:
-            cap = max(_MIN_PENDING_CTX_ROWS, _MAX_PENDING_CTX_BYTES // taps[0].nbytes)
+            row_bytes = taps.shape[-1] * taps.element_size()
+            cap = max(_MIN_PENDING_CTX_ROWS, _MAX_PENDING_CTX_BYTES // row_bytes)
             if self._pending.rows >= cap:
                 self._flush_draft_context()
             return
