@@ -153,6 +153,10 @@ class TableModel:
     def base_seconds(self, num_reqs: Array | int, executed: Array, ctx: Array | int) -> Array:
         return Curve(self.buckets, self.seconds)(executed)
 
+    def base_scalar(self, num_reqs: int, executed: int, ctx: float) -> float:
+        """`base_seconds` of one step, in Python floats (the planner's per-step path)."""
+        return Curve(self.buckets, self.seconds)._at(float(executed))
+
     def to_params(self) -> dict[str, Any]:
         return {"buckets": list(self.buckets), "seconds": [float(s) for s in self.seconds]}
 
@@ -183,6 +187,12 @@ class AdditiveModel:
     def base_seconds(self, num_reqs: Array | int, executed: Array, ctx: Array | int) -> Array:
         ctx_s = self.kappa_s * (ctx if _is_scalar(ctx) else np.asarray(ctx, np.float64))
         return self.bias_s + self.alpha(num_reqs) + self.theta(executed) + ctx_s
+
+    def base_scalar(self, num_reqs: int, executed: int, ctx: float) -> float:
+        """`base_seconds` of one step, in Python floats: the same sum in the same order, without
+        the numpy scalars that cost the planner's per-step path more than the arithmetic."""
+        a, t = self.alpha._at(float(num_reqs)), self.theta._at(float(executed))
+        return self.bias_s + a + t + self.kappa_s * ctx
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -443,7 +453,7 @@ class CapacityModel:
         bk = self.form.buckets
         i = bisect.bisect_left(bk, num_tokens)
         ex = bk[i] if i < len(bk) else num_tokens
-        t = float(self.form.base_seconds(num_reqs, ex, ctx))
+        t = self.form.base_scalar(num_reqs, ex, ctx)
         if self.moe is not None:
             t += float(self.moe.seconds(np.int64(ex)))
         if self.scale is not None:  # flat outside the knots, as np.interp

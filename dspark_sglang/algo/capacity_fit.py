@@ -4,6 +4,7 @@ live estimator that turns StepRecords into new CapacityModel versions. Pure nump
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -159,6 +160,16 @@ def fit_additive(
 
 
 SIGMA_EVERY = 8  # records between refreshes of the residuals' MAD
+
+
+def _median(xs: Iterable[float]) -> float:
+    """np.median of a few dozen floats (the same value: the middle one, or the mean of the two),
+    by sorting a list: a tenth of numpy's cost at this size."""
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2.0
+
+
 HOST_SPIKE = 4.0  # a plain step's host seconds count at most this multiple of the running mean
 
 
@@ -319,6 +330,7 @@ class LiveEstimator:
             self._grid = live_grid(form.theta.knots)
         else:
             self._grid = np.ones(1)
+        self._grid_at = tuple(self._grid.tolist())  # the grid for bisect, one record at a time
         # A prior that already carries a live scale (a profile saved from a running engine) keeps
         # it: residuals are measured against it and the published scale multiplies it.
         self._prior_scale = prior.scale
@@ -333,6 +345,7 @@ class LiveEstimator:
         # Drafter seconds per R: measured directly each drafting step, so a plain EWMA per R
         # (no regression); the prior's curve fills the R never seen.
         self._draft: dict[int, tuple[float, float]] = {}  # R -> (EWMA seconds, records)
+        self.drafts_observed = 0  # drafting records that taught the draft term (ticks `_draft`)
         # Host seconds of plain steps per R (records that timed their forward): the same EWMA.
         self._host: dict[int, tuple[float, float]] = {}
         moe = prior.moe
@@ -384,10 +397,12 @@ class LiveEstimator:
         elif drafted:
             dsec = rec.draft_seconds
             y = max(y - dsec, 0.05 * y)  # the forward's share: what the form prices
-        ex = executed_tokens(self._base.form.buckets, rec.num_tokens)
-        i = min(int(np.searchsorted(self._grid, ex)), self._grid.size - 1)
-        u = self._u[i] * self._n[i] / (self._n[i] + cfg.prior_weight)
-        pred = float(self._base.step_seconds(*args)) * float(self._prior_factor(ex))
+        bk = self._base.form.buckets
+        j = bisect.bisect_left(bk, rec.num_tokens)
+        ex = bk[j] if j < len(bk) else rec.num_tokens  # executed_tokens, without arrays
+        i = min(bisect.bisect_left(self._grid_at, ex), len(self._grid_at) - 1)
+        u = float(self._u[i]) * float(self._n[i]) / (float(self._n[i]) + cfg.prior_weight)
+        pred = float(self._base.step_seconds(*args)) * self._prior_factor_at(ex)
         if not split:  # y still holds the host's share
             pred += float(self._base.host_seconds(rec.num_reqs))
         e = math.log(y) - math.log(pred)
@@ -451,6 +466,7 @@ class LiveEstimator:
             seconds = min(seconds, HOST_SPIKE * mean)
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)
+        self.drafts_observed += 1
 
     def drafts_timed(self, num_reqs: int) -> float:
         """Drafting steps that taught the draft term at R's bin (`r_bin`) or a larger one: at
@@ -536,14 +552,24 @@ class LiveEstimator:
         s = self._prior_scale
         return np.ones(np.shape(executed)) if s is None else np.interp(executed, s.knots, s.values)
 
+    def _prior_factor_at(self, executed: int) -> float:
+        """`_prior_factor` of one executed B, in Python floats (np.interp: flat outside)."""
+        s = self._prior_scale
+        if s is None:
+            return 1.0
+        ks, vs = s.knots, s.values
+        return float(
+            vs[0] if executed <= ks[0] else vs[-1] if executed >= ks[-1] else s._at(executed)
+        )
+
     def _sigma(self) -> float:
         if len(self._resid) < 8:  # too few to estimate a spread: stay lenient, let CUSUM act
             return max(self.cfg.min_sigma, 0.25)
         # The MAD of a 32-record window moves slowly; two medians per step were 40 % of observe()
         # on the CPU engine's planner path, so it is refreshed every SIGMA_EVERY records.
         if self._sigma_at is None or self.num_observed - self._sigma_at >= SIGMA_EVERY:
-            r = np.asarray(self._resid)
-            mad = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+            mid = _median(self._resid)
+            mad = 1.4826 * _median([abs(x - mid) for x in self._resid])
             self._sigma_val, self._sigma_at = max(self.cfg.min_sigma, mad), self.num_observed
         return self._sigma_val
 

@@ -146,6 +146,7 @@ class VerifyPlanner:
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
         self.selective = selective and mode.name == "lagged" and capacity is not None
         self.explore_ratio = explore_ratio
+        self._explore_memo: tuple[tuple[int, int], bool] = ((-1, -1), False)
         self.capacity = capacity
         self.estimator = LiveEstimator(capacity) if capacity is not None and live else None
         self.fold = FOLD_RECORDS
@@ -421,7 +422,12 @@ class VerifyPlanner:
         est = self.estimator
         if not self.selective or est is None or self.explore_ratio <= 0.0:
             return False
-        return est.drafts_timed(r) < CAP_MIN_RECORDS
+        # drafts_timed sums over every R timed so far: at c = 64 that loop ran every step,
+        # though its answer changes only when a drafting step teaches the draft term
+        key = (r, est.drafts_observed)
+        if self._explore_memo[0] != key:
+            self._explore_memo = (key, est.drafts_timed(r) < CAP_MIN_RECORDS)
+        return self._explore_memo[1]
 
     def _k_key(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[object, ...]:
         lag = self.mode.lag
@@ -536,7 +542,8 @@ class VerifyPlanner:
     ) -> None:
         """After a step: update the acceptance prior, the confidence correction (given the
         verified rows' request ids, in the order of the arrays) and the live capacity model."""
-        self.observe_acceptance(verify_lens, accepted, ids)
+        if verify_lens.size:  # a skipped step verified nothing: the record is all it brings
+            self.observe_acceptance(verify_lens, accepted, ids)
         if self.estimator is None:
             return
         self._queued.append(rec)

@@ -28,6 +28,7 @@ from dspark_sglang.algo.capacity import (
 from dspark_sglang.algo.capacity_fit import (
     EstimatorConfig,
     LiveEstimator,
+    _median,
     fit_additive,
     fit_table,
     isotonic,
@@ -381,6 +382,22 @@ def test_estimator_reconverges_within_200_steps_after_a_2x_slowdown() -> None:
         for r in recs[600:]
     ]
     assert np.median(ape) < 0.06
+
+
+@given(st.lists(st.floats(-50.0, 50.0), min_size=1, max_size=40))
+def test_the_estimators_median_is_numpys(xs: list[float]) -> None:
+    """The MAD behind the outlier test is taken with a list sort (a tenth of numpy's cost on
+    32 residuals); it must be np.median's value exactly, or outliers and alarms would move."""
+    assert _median(xs) == float(np.median(np.asarray(xs)))
+
+
+def test_a_prior_scale_prices_each_record_as_its_array_path() -> None:
+    """A prior that already carries a live scale (a profile saved from a running engine): the
+    per-record factor is np.interp's, flat outside the knots, at and between every knot."""
+    prior = replace(additive(), scale=Curve((2.0, 16.0, 128.0), (1.3, 0.8, 1.5)))
+    est = LiveEstimator(prior)
+    for b in (1, 2, 3, 8, 16, 17, 100, 128, 129, 256, 1000):
+        assert est._prior_factor_at(b) == float(est._prior_factor(b))
 
 
 def test_estimators_fed_the_same_records_publish_identical_models() -> None:
