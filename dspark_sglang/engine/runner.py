@@ -110,9 +110,10 @@ class ModelRunner:
             if self.arch.is_moe
             else None
         )
-        if tap_rows is None and self.drafter is not None:
-            tap_rows = torch.arange(batch.num_tokens, device=self.device)
-        ctx = ForwardContext(batch.attn, self.kv, tap_rows=tap_rows, expert_counts=counts)
+        rows: torch.Tensor | slice | None = tap_rows
+        if rows is None and self.drafter is not None:
+            rows = slice(None)  # every row: the taps are views of the layers' outputs, no gather
+        ctx = ForwardContext(batch.attn, self.kv, tap_rows=rows, expert_counts=counts)
         with forward_context(ctx):
             hidden, taps = self.model(batch.input_ids, batch.positions)
         if self.ep is not None and counts is not None:  # each rank counted its own token shard

@@ -108,7 +108,8 @@ class ForwardContext:
     # Per layer, each [num_slots, h_kv, d]. None = no cache (training, full recompute): the
     # metadata's slots then index the batch's own rows (see packed_causal_metadata).
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
-    tap_rows: torch.Tensor | None = None  # rows whose hidden-state taps are returned
+    # rows whose hidden-state taps are returned; slice(None): every row, as views (no gather)
+    tap_rows: torch.Tensor | slice | None = None
     # MoE layers add their per-expert routed-token counts here (summed over layers).
     expert_counts: torch.Tensor | None = None
     extras: dict[str, object] = field(default_factory=dict)
