@@ -56,6 +56,14 @@ PREFILL_Q = 16
 # A group admits a sequence whose context (and, for prefill chunks, query count) is at least
 # its longest one's divided by this, so padding at most doubles a group's work.
 PAD_RATIO = 2.0
+# Verify rows (2 … PREFILL_Q new tokens) group by query count too: a group admits a row whose
+# count is at least its largest one's divided by this. A ragged verify (lagged or sync top-K:
+# some rows 8 tokens, most fewer) padded every row to the longest one, so its attention cost
+# what verifying every draft does: served, sweep 58ddf7a, lagged's R = 64 steps at B = 316 ran
+# their forward in 48.5 ms, fixed:3's uniform B = 254 in 37.2 and verify-all's B = 502 in 51.9.
+# In-process (R = 64, top-K lengths, B = 192): 36.5 -> 27.6 ms a forward, attention 19.2 -> 11.7
+# ms; 4/3 cut 5 % more than 2, and exact counts (1) nothing more than 4/3.
+VERIFY_Q_RATIO = 4.0 / 3.0
 # Groups padded to fewer (query + 1) x key cells than this are merged with their neighbour:
 # below it one more SDPA call costs more than the padding it saves.
 MIN_GROUP_CELLS = 4096
@@ -63,14 +71,22 @@ MAX_GROUPS = 16  # the rest pads into the last group (bounds per-forward dispatc
 
 
 def padding_groups(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
-    """Partition sequence indices into groups padded together (each group sorted longest first).
+    """Partition sequence indices into groups padded together (each group in admission order: most
+    queries, then longest context, first).
 
-    Decode and verify rows (few new tokens) group by context length alone; prefill chunks also
-    by their query count. Pure: ints in, ints out.
+    Every group pads its rows to its longest context (within PAD_RATIO). Prefill chunks also
+    group by query count within PAD_RATIO; decode and verify rows (few new tokens) by query count
+    within VERIFY_Q_RATIO, largest counts first, so decode rows (one token) never pad to a verify
+    row's. Pure: ints in, ints out.
     """
     order = sorted(
         range(len(q_lens)),
-        key=lambda r: (q_lens[r] > PREFILL_Q, kv_lens[r], q_lens[r]),
+        key=lambda r: (
+            q_lens[r] > PREFILL_Q,
+            q_lens[r] if q_lens[r] <= PREFILL_Q else 0,  # prefill: by context first, as before
+            kv_lens[r],
+            q_lens[r],
+        ),
         reverse=True,
     )
     groups: list[list[int]] = []
@@ -80,16 +96,18 @@ def padding_groups(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
         fits = (
             groups
             and (q > PREFILL_Q) == (top_q > PREFILL_Q)
+            and top_l >= kv  # by query count first: a longer context can follow a shorter one
             and kv * PAD_RATIO >= top_l
-            and (q <= PREFILL_Q or q * PAD_RATIO >= top_q)
+            and q * (PAD_RATIO if q > PREFILL_Q else VERIFY_Q_RATIO) >= top_q
         )
         if fits:
             groups[-1].append(r)
             continue
-        if groups and (
-            len(groups) == MAX_GROUPS or _cells(groups[-1], q_lens, kv_lens) < MIN_GROUP_CELLS
-        ):
-            groups[-1].append(r)  # too small to run alone (or enough calls): pad into it
+        small = _cells(groups[-1], q_lens, kv_lens) < MIN_GROUP_CELLS if groups else False
+        # too small to run alone (or enough calls): pad into it, unless this row's context would
+        # pad the group's more than PAD_RATIO
+        if groups and (len(groups) == MAX_GROUPS or (small and kv <= top_l * PAD_RATIO)):
+            groups[-1].append(r)
             continue
         groups.append([r])
         top_q, top_l = q, kv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +12,9 @@ from dspark_sglang.models import attention
 from dspark_sglang.models.attention import (
     MAX_GROUPS,
     MIN_GROUP_CELLS,
+    PAD_RATIO,
     PREFILL_Q,
+    VERIFY_Q_RATIO,
     padding_groups,
     ragged_metadata,
 )
@@ -79,3 +83,29 @@ def test_decode_and_verify_rows_get_the_same_masks_and_layout_as_one_rule() -> N
         assert d.mask[r, 0, 0].tolist() == want
         assert g.mask[r, 0, 0, :10].tolist() == want  # the general rule, query 0
         assert d.kv_slots[r, : s + 1].tolist() == table[r, : s + 1].tolist()
+
+
+def test_verify_rows_pad_only_to_a_similar_query_count() -> None:
+    """A ragged verify: 32 rows verifying 8 tokens, 32 verifying 3, 32 decode rows, one context
+    length. Each class runs apart: padding every row to 8 queries made it cost verify-all."""
+    q = [8] * 32 + [3] * 32 + [1] * 32
+    groups = padding_groups(q, [300] * 96)
+    assert sorted(sorted({q[r] for r in g}) for g in groups) == [[1], [3], [8]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, PREFILL_Q), st.integers(0, 4000)), min_size=1, max_size=16)
+)
+def test_verify_groups_pad_queries_and_keys_within_their_ratios(
+    seqs: list[tuple[int, int]],
+) -> None:
+    # at most MAX_GROUPS rows and no merge floor: every group is one the ratios admitted
+    with patch.object(attention, "MIN_GROUP_CELLS", 0):
+        q = [n for n, _ in seqs]
+        kv = [n + p for n, p in seqs]
+        groups = padding_groups(q, kv)
+    assert sorted(r for g in groups for r in g) == list(range(len(seqs)))
+    for g in groups:
+        assert max(q[r] for r in g) <= VERIFY_Q_RATIO * min(q[r] for r in g)
+        assert max(kv[r] for r in g) <= PAD_RATIO * min(kv[r] for r in g)

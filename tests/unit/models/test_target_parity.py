@@ -138,6 +138,35 @@ def test_grouped_attention_matches_full_recompute(hf_model_dir: Path, monkeypatc
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
+def test_verify_rows_grouped_by_query_count_match_full_recompute(
+    hf_model_dir: Path, monkeypatch
+) -> None:
+    """A ragged verify (equal contexts, 1 to 8 new tokens a row) runs one padded group per query
+    class (VERIFY_Q_RATIO; the merge floor lifted); logits still match, row for row."""
+    monkeypatch.setattr(attention, "MIN_GROUP_CELLS", 0)
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, page_size=4, num_blocks=160)
+    g = torch.Generator().manual_seed(6)
+    ids = [d.new() for _ in range(6)]
+    hist = dict(zip(ids, [rand_tokens(g, n) for n in (30, 28, 31, 29, 30, 27)], strict=True))
+    d.run([(s, t) for s, t in hist.items()])
+    new = dict(zip(ids, [rand_tokens(g, n) for n in (8, 1, 5, 2, 7, 3)], strict=True))
+    batch_groups = []
+    real = attention.ragged_metadata
+
+    def spy(*args, **kwargs):
+        meta = real(*args, **kwargs)
+        batch_groups.append(sorted(gr.max_q for gr in meta.groups))
+        return meta
+
+    monkeypatch.setattr(batch_mod, "ragged_metadata", spy)
+    outs, _ = d.run([(s, t) for s, t in new.items()])
+    assert batch_groups[-1] == [1, 2, 3, 5, 8]  # {8, 7}, {5}, {3}, {2}, {1}
+    for (s, t), got in zip(new.items(), outs, strict=True):
+        want = reference_logits(hf, hist[s] + t)[-len(t) :]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
 def test_rollback_then_append_matches(hf_model_dir: Path) -> None:
     hf = hf_reference(hf_model_dir)
     d = Driver(hf_model_dir, page_size=4)
