@@ -1,0 +1,212 @@
+"""`python -m dspark_sglang.bench.steps`: where a deployment's decode time goes, by batch size.
+
+Reads the step logs a server writes with `--step-log DIR` (one JSON `StepRecord` per line in
+`DIR/<worker>.steps.jsonl`; `bench.sweep` puts one folder per policy under `{policy}`) and
+reports, per policy and running-request bin R (1, 2, 3-4, 5-8, … : up to a power of two), the
+decode steps' realised rate (tokens emitted per second of step time), tokens a step, how often
+the drafter ran, median step / forward / drafter / host milliseconds, and the capacity model's
+median predicted / measured step time. Request-level throughput mixes arrivals, tails and
+prefill into every number; these rates compare the policies' steps at equal load, which is what
+a verify schedule decides. Reads the logs only: no engine, no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+LOG_SUFFIX = ".steps.jsonl"
+
+
+class _Step(msgspec.Struct):
+    """The StepRecord fields this report reads (a log line carries more)."""
+
+    num_reqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_reqs: int
+    step_seconds: float
+    predicted_seconds: float | None = None
+    draft_seconds: float = 0.0
+    forward_seconds: float | None = None
+    num_draft_reqs: int = 0
+    num_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class BinRow:
+    policy: str
+    r_lo: int
+    r_hi: int
+    steps: int
+    drafting_share: float  # steps that ran the drafter
+    mean_tokens_in_forward: float  # B
+    tokens_per_step: float  # emitted: one per decode row plus the accepted drafts
+    tok_per_s: float  # emitted tokens over summed step seconds
+    step_ms: float  # medians
+    forward_ms: float  # nan: the engine did not time its forward
+    drafter_ms: float  # over drafting steps; nan: none drafted
+    host_ms: float  # step - forward - drafter
+    predicted_over_measured: float  # nan: no capacity model priced the steps
+
+
+def r_bin_bounds(r: int) -> tuple[int, int]:
+    """(lo, hi): the bin of R, hi the power of two at or above R and lo just past the one below."""
+    hi = 1 << max(0, (int(r) - 1).bit_length())
+    return (hi // 2 + 1 if hi > 1 else 1), hi
+
+
+def read_steps(path: Path) -> list[_Step]:
+    """Decode-only steps (no prompt tokens in the forward) of one step log."""
+    dec = msgspec.json.Decoder(_Step)
+    out = []
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                s = dec.decode(line)
+            except msgspec.DecodeError as e:
+                raise ValueError(f"{path}:{n}: not a step record ({e})") from None
+            if s.num_prefill_tokens == 0 and s.num_reqs > 0 and s.step_seconds > 0.0:
+                out.append(s)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.median(xs)) if xs else math.nan
+
+
+def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
+    """One row per R bin that has steps, smallest bin first."""
+    bins: dict[tuple[int, int], list[_Step]] = {}
+    for s in steps:
+        bins.setdefault(r_bin_bounds(s.num_reqs), []).append(s)
+    rows = []
+    for (lo, hi), ss in sorted(bins.items()):
+        drafted = [s for s in ss if s.num_draft_reqs > 0]
+        tokens = [s.num_decode_reqs + s.num_accepted for s in ss]
+        fwd = [s.forward_seconds for s in ss]
+        host = [
+            s.step_seconds - s.forward_seconds - s.draft_seconds
+            for s in ss
+            if s.forward_seconds is not None and math.isfinite(s.forward_seconds)
+        ]
+        ratio = [
+            s.predicted_seconds / s.step_seconds for s in ss if s.predicted_seconds is not None
+        ]
+        rows.append(
+            BinRow(
+                policy=policy,
+                r_lo=lo,
+                r_hi=hi,
+                steps=len(ss),
+                drafting_share=len(drafted) / len(ss),
+                mean_tokens_in_forward=float(np.mean([s.num_tokens for s in ss])),
+                tokens_per_step=float(np.mean(tokens)),
+                tok_per_s=float(sum(tokens) / sum(s.step_seconds for s in ss)),
+                step_ms=1e3 * _median([s.step_seconds for s in ss]),
+                forward_ms=1e3 * _median(fwd),
+                drafter_ms=1e3 * _median([s.draft_seconds for s in drafted]),
+                host_ms=1e3 * _median(host),
+                predicted_over_measured=_median(ratio),
+            )
+        )
+    return rows
+
+
+def find_logs(folder: Path, worker: str) -> dict[str, Path]:
+    """{policy: log}: FOLDER/<worker>.steps.jsonl is one policy (named by the folder), else each
+    subfolder holding one is."""
+    own = folder / f"{worker}{LOG_SUFFIX}"
+    if own.is_file():
+        return {folder.name: own}
+    return {
+        sub.name: sub / f"{worker}{LOG_SUFFIX}"
+        for sub in sorted(folder.iterdir())
+        if (sub / f"{worker}{LOG_SUFFIX}").is_file()
+    }
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "-" if not math.isfinite(x) else format(x, spec)
+
+
+def print_table(rows: list[BinRow]) -> None:
+    best: dict[tuple[int, int], float] = {}
+    for r in rows:
+        best[(r.r_lo, r.r_hi)] = max(best.get((r.r_lo, r.r_hi), 0.0), r.tok_per_s)
+    head = (
+        f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'B':>6s} {'tok/step':>8s} "
+        f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
+        f"{'host ms':>7s} {'pred/real':>9s}"
+    )
+    print(head)
+    for r in sorted(rows, key=lambda r: (r.r_hi, -r.tok_per_s)):
+        rng = f"{r.r_lo}" if r.r_lo == r.r_hi else f"{r.r_lo}-{r.r_hi}"
+        print(
+            f"{rng:>7s} {r.policy:14s} {r.steps:6d} {100 * r.drafting_share:6.1f} "
+            f"{r.mean_tokens_in_forward:6.1f} {r.tokens_per_step:8.2f} {r.tok_per_s:8.1f} "
+            f"{r.tok_per_s / best[(r.r_lo, r.r_hi)]:6.3f} {_fmt(r.step_ms, '8.2f')} "
+            f"{_fmt(r.forward_ms, '7.2f')} {_fmt(r.drafter_ms, '8.2f')} "
+            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.predicted_over_measured, '9.3f')}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_sglang.bench.steps", description=__doc__)
+    ap.add_argument("folders", nargs="+", type=Path, metavar="DIR", help="--step-log folders")
+    ap.add_argument("--worker", default="decode0", help="whose log to read (default decode0)")
+    ap.add_argument("--min-steps", type=int, default=20, help="hide bins with fewer steps")
+    ap.add_argument("--csv", type=Path, help="write the rows as CSV here")
+    ap.add_argument("--json", type=Path, help="write the rows and the command as JSON here")
+    args = ap.parse_args(argv)
+    if args.min_steps < 1:
+        ap.error("--min-steps must be >= 1")
+    logs: dict[str, Path] = {}
+    for folder in args.folders:
+        if not folder.is_dir():
+            ap.error(f"DIR {folder}: not a folder")
+        found = find_logs(folder, args.worker)
+        if not found:
+            ap.error(f"DIR {folder}: no {args.worker}{LOG_SUFFIX} in it or its subfolders")
+        clash = set(found) & set(logs)
+        if clash:
+            ap.error(f"DIR {folder}: policy {sorted(clash)[0]!r} already read from another DIR")
+        logs.update(found)
+    rows: list[BinRow] = []
+    try:
+        for policy, path in logs.items():
+            rows += [r for r in summarize(policy, read_steps(path)) if r.steps >= args.min_steps]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(rows)
+    plain = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+              for k, v in asdict(r).items()} for r in rows]  # fmt: skip
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])) if rows else ["policy"])
+            w.writeheader()
+            w.writerows(plain)
+    if args.json:
+        cmd = "python -m dspark_sglang.bench.steps " + shlex.join(argv or sys.argv[1:])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"tool": "dspark_sglang.bench.steps", "command": cmd, "rows": plain}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

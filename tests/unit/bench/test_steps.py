@@ -1,0 +1,147 @@
+"""bench.steps: the per-R decode step report read from `--step-log` files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dspark_sglang.bench import steps
+from dspark_sglang.engine.engine import LLM
+from dspark_sglang.types import SamplingParams, StepRecord
+from tests.conftest import write_model_pair
+
+_ENC = msgspec.json.Encoder()  # what serve/worker.py writes a step log with
+
+
+def _rec(r: int, b: int, step: float, **kw: object) -> StepRecord:
+    return StepRecord(
+        step=0,
+        num_reqs=r,
+        num_tokens=b,
+        num_prefill_tokens=kw.pop("prefill", 0),
+        num_decode_reqs=r,
+        kv_tokens=100 * r,
+        step_seconds=step,
+        **kw,
+    )
+
+
+def _write(path: Path, recs: list[StepRecord]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(_ENC.encode(r) + b"\n" for r in recs))
+    return path
+
+
+def test_r_bins_end_at_powers_of_two() -> None:
+    got = {r: steps.r_bin_bounds(r) for r in (1, 2, 3, 4, 5, 8, 9, 64, 65)}
+    assert got == {
+        1: (1, 1),
+        2: (2, 2),
+        3: (3, 4),
+        4: (3, 4),
+        5: (5, 8),
+        8: (5, 8),
+        9: (9, 16),
+        64: (33, 64),
+        65: (65, 128),
+    }
+
+
+def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
+    recs = [_rec(1, 1, 0.003, forward_seconds=0.0025) for _ in range(4)]  # plain, unpriced
+    recs += [  # drafting: 1 + 3 accepted tokens each, priced 10 % high
+        _rec(
+            1,
+            8,
+            0.010,
+            forward_seconds=0.004,
+            draft_seconds=0.005,
+            num_draft_reqs=1,
+            num_accepted=3,
+            predicted_seconds=0.011,
+        )
+        for _ in range(2)
+    ]
+    recs.append(_rec(1, 40, 0.050, prefill=39))  # a prompt chunk: not a decode step
+    recs += [_rec(3, 3, 0.006), _rec(4, 4, 0.008)]  # forward not timed (NaN -> null)
+    log = _write(tmp_path / "lagged" / "decode0.steps.jsonl", recs)
+    assert b"null" in log.read_bytes()
+    one, three = steps.summarize("lagged", steps.read_steps(log))
+    assert (one.r_lo, one.r_hi, one.steps) == (1, 1, 6)
+    assert one.drafting_share == pytest.approx(2 / 6)
+    assert one.mean_tokens_in_forward == pytest.approx((4 * 1 + 2 * 8) / 6)
+    assert one.tokens_per_step == pytest.approx((4 + 2 * 4) / 6)
+    assert one.tok_per_s == pytest.approx(12 / (4 * 0.003 + 2 * 0.010))
+    assert one.step_ms == pytest.approx(3.0)
+    assert one.forward_ms == pytest.approx(2.5)
+    assert one.drafter_ms == pytest.approx(5.0)
+    assert one.host_ms == pytest.approx(0.5)  # 4 x 0.5 and 2 x 1.0
+    assert one.predicted_over_measured == pytest.approx(1.1)
+    assert (three.r_lo, three.r_hi, three.steps) == (3, 4, 2)
+    assert three.tok_per_s == pytest.approx(7 / 0.014)
+    for nan in (three.forward_ms, three.drafter_ms, three.host_ms, three.predicted_over_measured):
+        assert math.isnan(nan)
+
+
+def test_cli_reads_a_sweep_folder_and_writes_csv_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for policy, step in (("no-spec", 0.004), ("lagged", 0.003)):
+        _write(tmp_path / "s" / policy / "decode0.steps.jsonl", [_rec(2, 2, step)] * 25)
+    _write(tmp_path / "s" / "lagged" / "prefill0.steps.jsonl", [_rec(2, 2, 1.0)] * 25)
+    out_csv, out_json = tmp_path / "r.csv", tmp_path / "r.json"
+    assert steps.main([str(tmp_path / "s"), "--csv", str(out_csv), "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out
+    assert "lagged" in table and "no-spec" in table
+    report = json.loads(out_json.read_text())
+    assert report["command"].startswith("python -m dspark_sglang.bench.steps")
+    rates = {r["policy"]: r["tok_per_s"] for r in report["rows"]}
+    assert rates == pytest.approx({"no-spec": 500.0, "lagged": 2 / 0.003})
+    assert report["rows"][0]["forward_ms"] is None  # NaN goes out as null
+    assert out_csv.read_text().count("\n") == 3  # header + two rows
+    # one policy's folder on its own, and the bins below --min-steps hidden
+    assert steps.main([str(tmp_path / "s" / "lagged"), "--min-steps", "26"]) == 0
+    assert "lagged" not in capsys.readouterr().out.split("\n", 1)[1]
+
+
+def test_cli_errors_name_the_folder_or_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        steps.main([str(tmp_path / "missing")])
+    assert e.value.code == 2 and "not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        steps.main([str(tmp_path / "empty")])
+    assert "no decode0.steps.jsonl" in capsys.readouterr().err
+    log = _write(tmp_path / "bad" / "decode0.steps.jsonl", [_rec(1, 1, 0.003)])
+    log.write_bytes(log.read_bytes() + b"{not json\n")
+    assert steps.main([str(tmp_path / "bad")]) == 2
+    assert "decode0.steps.jsonl:2" in capsys.readouterr().err
+
+
+def test_an_engines_records_read_back_token_for_token(tmp_path: Path) -> None:
+    """The records of a real drafting engine, written as the serving worker writes them: one
+    request's decode steps emitted every output token but the one its prompt step sampled."""
+    target, drafter = write_model_pair(tmp_path / "pair")
+    llm = LLM(
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode="fixed:2",
+        max_running_requests=1,
+        num_blocks=256,
+    )
+    recs: list[StepRecord] = []
+    llm.on_step = recs.append
+    sp = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+    (out,) = llm.generate(["hello world"], sp)
+    llm.close()
+    log = _write(tmp_path / "run" / "decode0.steps.jsonl", recs)
+    (row,) = steps.summarize("fixed:2", steps.read_steps(log))
+    assert row.steps == sum(1 for r in recs if r.num_prefill_tokens == 0)
+    assert row.tokens_per_step * row.steps == pytest.approx(len(out.output_ids) - 1)
+    assert row.drafting_share > 0.0  # the test drafter is random: it drafts, few are accepted
