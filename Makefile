@@ -33,7 +33,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.scheduler
 	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.planner
 	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.offline
-	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.sweep $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m dspark_sglang.bench.sweep --step-logs build/bench_steps $(BENCH_ARGS)
 
 HOST ?= 127.0.0.1
 PORT ?= 30000

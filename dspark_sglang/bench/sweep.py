@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dspark_sglang.bench import serving
+from dspark_sglang.bench import serving, steps
 from dspark_sglang.bench.pareto import (
     frontier,
     matched_speedups,
@@ -95,6 +95,8 @@ def server_command(args: argparse.Namespace, label: str, slot: int = 0) -> list[
             else:
                 cmd += ["--startup-profile-seconds", str(args.startup_profile_seconds)]
     cmd += ["--max-running-requests", str(max(args.concurrency))]
+    if args.step_logs:
+        cmd += ["--step-log", str(args.step_logs / label)]
     # {policy} lets per-deployment outputs (--step-log DIR) go to one folder per policy
     cmd += shlex.split(args.server_args.replace("{policy}", label))
     return cmd + (parse_variants(args.variant)[variant] if variant else [])
@@ -486,6 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
         "pass as --server-args='--flag ...'",
     )
     ap.add_argument(
+        "--step-logs",
+        type=Path,
+        metavar="DIR",
+        help="each deployment writes its per-step records to DIR/<policy> (launch_server "
+        "--step-log), and the sweep ends with their per-batch-size report "
+        "(bench.steps) in OUT_DIR/NAME_steps.{csv,json}",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -553,6 +563,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.append:
             jsonl.write_text("")
             log_path.write_text("")
+            for label in args.policies if args.step_logs else ():  # workers append: start anew
+                for old_log in (args.step_logs / label).glob("*.steps.jsonl"):
+                    old_log.unlink()
         first = 1 + max((r.get("pass", 0) for r in old), default=-1)
         if args.interleave:
             raw += run_interleaved(args, first, jsonl, log_path)
@@ -586,6 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     (args.out_dir / f"{args.name}_summary.json").write_text(json.dumps(summary, indent=1))
     print_report(rows, policies, goals)
+    if args.step_logs and args.step_logs.is_dir():
+        print(f"\ndecode steps by batch size (bench.steps on {args.step_logs}):")
+        out = args.out_dir / f"{args.name}_steps"
+        return steps.main([str(args.step_logs), "--csv", f"{out}.csv", "--json", f"{out}.json"])
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dspark_sglang.bench import sweep
@@ -206,3 +207,48 @@ def test_a_variant_is_its_policy_with_more_flags_and_is_reported_against_it(
         0.9,
         pytest.approx(1.1),
     ]
+
+
+def test_step_logs_go_one_folder_per_policy_and_end_in_a_step_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--step-logs DIR: each deployment gets --step-log DIR/<label>; the sweep then writes the
+    bench.steps report of those folders next to its other outputs."""
+    from dspark_sglang.types import StepRecord
+
+    enc = msgspec.json.Encoder()
+
+    class FakeServer:  # writes a step log where the worker would
+        def __init__(self, cmd: list[str], *_: object) -> None:
+            folder = Path(cmd[cmd.index("--step-log") + 1])
+            folder.mkdir(parents=True, exist_ok=True)
+            rec = StepRecord(step=0, num_reqs=2, num_tokens=2, num_prefill_tokens=0,
+                             num_decode_reqs=2, kv_tokens=50, step_seconds=0.004)  # fmt: skip
+            with (folder / "decode0.steps.jsonl").open("ab") as f:  # as the worker: append
+                f.write((enc.encode(rec) + b"\n") * 30)
+
+        def __enter__(self) -> FakeServer:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+    def fake_run(ns: object) -> dict:
+        meta = dict(ns.metadata)  # type: ignore[attr-defined]
+        return _row(meta["policy"], ns.max_concurrency, 100.0, 10.0) | {  # type: ignore[attr-defined]
+            "accept_length": 1.0, "failed": 0}  # fmt: skip
+
+    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep.serving, "run", fake_run)
+    logs = tmp_path / "steps"
+    (logs / "lagged").mkdir(parents=True)  # a previous run's log: a new sweep starts anew
+    (logs / "lagged" / "decode0.steps.jsonl").write_text("{not a record\n")
+    argv = ["--interleave", "--policies", "no-spec,lagged", "--concurrency", "1"]
+    argv += ["--out-dir", str(tmp_path), "--name", "s", "--step-logs", str(logs)]
+    assert sweep.main(argv) == 0
+    assert sorted(p.name for p in logs.iterdir()) == ["lagged", "no-spec"]
+    report = json.loads((tmp_path / "s_steps.json").read_text())
+    assert sorted(r["policy"] for r in report["rows"]) == ["lagged", "no-spec"]
+    assert all(r["tok_per_s"] == pytest.approx(500.0) for r in report["rows"])
+    assert (tmp_path / "s_steps.csv").is_file()
+    assert "decode steps by batch size" in capsys.readouterr().out
