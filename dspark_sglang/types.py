@@ -117,3 +117,7 @@ class StepRecord:
     # draft-context backlog of those steps and a cold drafter, not what drafting costs per step
     draft_resumed: bool = False
     num_accepted: int = 0  # drafts accepted this step, over every verified row
+    # lagged K > 0: the tokens the step's K was planned on, R + the top-K survival published `lag`
+    # steps earlier (verify_budget.planned_tokens); nan elsewhere. Against num_decode_reqs +
+    # num_accepted it measures what the lag costs the K choice (bench.steps)
+    planned_tokens: float = float("nan")

@@ -208,14 +208,31 @@ def lagged_global_k(
 
     min_user_tps > 0 (DESIGN §5): argmax over the K whose predicted min_r (1 + Σ a_r) · SPS(R + K)
     >= min_user_tps; if no K meets the floor, the K with the best floor."""
+    return lagged_global_plan(
+        lagged_surv, sps, min_len=min_len, max_len=max_len, min_user_tps=min_user_tps
+    )[0]
+
+
+def lagged_global_plan(
+    lagged_surv: np.ndarray,
+    sps: np.ndarray,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+    min_user_tps: float = 0.0,
+) -> tuple[int, float]:
+    """`lagged_global_k` and the tokens τ(K) = Θ(K) / SPS(R + K) it was chosen on (what
+    `planned_tokens` gives for that K; nan where no K fits the table), from the same pass."""
+    num_reqs = lagged_surv.shape[0]
     neg, forced = _candidates(lagged_surv, min_len, max_len)
     theta, _, n_forced, _ = _path_values(lagged_surv, neg, forced, sps)
     if theta.size <= n_forced:
-        return n_forced
+        return n_forced, float("nan")
     rate = None
     if min_user_tps > 0.0:
         rate = _min_user_rate(lagged_surv, _path_order(neg, forced), sps, theta.size)
-    return _best_k(theta, n_forced, rate, min_user_tps)
+    k = _best_k(theta, n_forced, rate, min_user_tps)
+    return k, float(theta[k] / sps[num_reqs + k])
 
 
 def _best_k(theta: np.ndarray, n_forced: int, rate: np.ndarray | None, floor: float) -> int:
@@ -323,6 +340,21 @@ def assign_top_k(
     n_forced = 0 if forced is None else int(np.count_nonzero(forced))
     n_free = int(np.count_nonzero(neg < 0.0))
     return _admit(neg, forced, int(k) - n_forced, n_free)
+
+
+def planned_tokens(
+    surv: np.ndarray,
+    k: int,
+    *,
+    min_len: np.ndarray | int | None = None,
+    max_len: np.ndarray | int | None = None,
+) -> float:
+    """τ(K) = R + the survival of the K candidates `assign_top_k` admits (§3.2.2): the tokens a
+    step is expected to emit when K is spent by this survival. Fed the lagged survival a lagged K
+    was chosen from, it is what that K was planned on, which the realised tokens then test."""
+    lens = assign_top_k(surv, k, min_len=min_len, max_len=max_len)
+    gamma = surv.shape[1]
+    return float(surv.shape[0]) + float(surv[np.arange(gamma)[None, :] < lens[:, None]].sum())
 
 
 def expected_throughput(surv: np.ndarray, lengths: np.ndarray, sps: np.ndarray) -> float:

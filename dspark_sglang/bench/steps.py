@@ -4,10 +4,12 @@ Reads the step logs a server writes with `--step-log DIR` (one JSON `StepRecord`
 `DIR/<worker>.steps.jsonl`; `bench.sweep` puts one folder per policy under `{policy}`) and
 reports, per policy and running-request bin R (1, 2, 3-4, 5-8, … : up to a power of two), the
 decode steps' realised rate (tokens emitted per second of step time), tokens a step, how often
-the drafter ran, median step / forward / drafter / host milliseconds, and the capacity model's
-median predicted / measured step time. Request-level throughput mixes arrivals, tails and
-prefill into every number; these rates compare the policies' steps at equal load, which is what
-a verify schedule decides. Reads the logs only: no engine, no network.
+the drafter ran, median step / forward / drafter / host milliseconds, the capacity model's
+median predicted / measured step time, and for lagged the tokens emitted over the tokens its K
+was planned on (the lagged survival's top K: what the lag costs the choice of K).
+Request-level throughput mixes arrivals, tails and prefill into every number; these rates
+compare the policies' steps at equal load, which is what a verify schedule decides. Reads the
+logs only: no engine, no network.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class _Step(msgspec.Struct):
     forward_seconds: float | None = None
     num_draft_reqs: int = 0
     num_accepted: int = 0
+    planned_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class BinRow:
     drafter_ms: float  # over drafting steps; nan: none drafted
     host_ms: float  # step - forward - drafter
     predicted_over_measured: float  # nan: no capacity model priced the steps
+    # lagged: emitted / planned tokens over the steps whose K was planned on lagged survival
+    realised_over_planned: float
 
 
 def r_bin_bounds(r: int) -> tuple[int, int]:
@@ -105,6 +110,11 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
         ratio = [
             s.predicted_seconds / s.step_seconds for s in ss if s.predicted_seconds is not None
         ]
+        planned = [
+            (s.num_decode_reqs + s.num_accepted, s.planned_tokens)
+            for s in ss
+            if s.planned_tokens is not None and math.isfinite(s.planned_tokens)
+        ]
         rows.append(
             BinRow(
                 policy=policy,
@@ -120,6 +130,9 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
                 drafter_ms=1e3 * _median([s.draft_seconds for s in drafted]),
                 host_ms=1e3 * _median(host),
                 predicted_over_measured=_median(ratio),
+                realised_over_planned=(
+                    sum(t for t, _ in planned) / sum(p for _, p in planned) if planned else math.nan
+                ),
             )
         )
     return rows
@@ -149,7 +162,7 @@ def print_table(rows: list[BinRow]) -> None:
     head = (
         f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'B':>6s} {'tok/step':>8s} "
         f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
-        f"{'host ms':>7s} {'pred/real':>9s}"
+        f"{'host ms':>7s} {'pred/real':>9s} {'real/plan':>9s}"
     )
     print(head)
     for r in sorted(rows, key=lambda r: (r.r_hi, -r.tok_per_s)):
@@ -159,7 +172,8 @@ def print_table(rows: list[BinRow]) -> None:
             f"{r.mean_tokens_in_forward:6.1f} {r.tokens_per_step:8.2f} {r.tok_per_s:8.1f} "
             f"{r.tok_per_s / best[(r.r_lo, r.r_hi)]:6.3f} {_fmt(r.step_ms, '8.2f')} "
             f"{_fmt(r.forward_ms, '7.2f')} {_fmt(r.drafter_ms, '8.2f')} "
-            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.predicted_over_measured, '9.3f')}"
+            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.predicted_over_measured, '9.3f')} "
+            f"{_fmt(r.realised_over_planned, '9.3f')}"
         )
 
 

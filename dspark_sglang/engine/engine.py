@@ -609,6 +609,7 @@ class LLMEngine:
             probe=p is not None and p.probe,
             draft_resumed=p is not None and (p.resumed or self._draft_backlog),
             num_accepted=sum(accepted.values()),
+            planned_tokens=p.planned_tokens if p else float("nan"),
         )
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()

@@ -30,7 +30,7 @@ from dspark_sglang.algo.verify_budget import (
     ScheduleMode,
     assign_top_k,
     expected_throughput,
-    lagged_global_k,
+    lagged_global_plan,
     plan_verify_lengths,
     selective_k,
 )
@@ -110,6 +110,17 @@ def _conditionals(surv: np.ndarray) -> np.ndarray:
 
 
 Rows = np.ndarray | None  # selective lagged: the requests a K drafts (None: not selective)
+# a lagged K, the rows it drafts and the tokens it was planned on (verify_budget.planned_tokens)
+KPlan = tuple[int, Rows, float]
+
+
+def _planned(theta: float, sps: np.ndarray, r: int, k: int, draft_s: float) -> float:
+    """The tokens K was planned on (verify_budget.planned_tokens), read off the Θ the K search
+    found: Θ = τ / (forward(R + K) + drafter). nan at K = 0 (no draft for the lagged survival to
+    be tested on) and where no K fitted the table."""
+    if k <= 0 or not math.isfinite(theta):
+        return math.nan
+    return theta * (1.0 / float(sps[r + k]) + draft_s)
 
 
 def _batch_key(ids: object, max_len: object) -> tuple[bytes, bytes]:
@@ -127,6 +138,7 @@ class Plan:
     probe: bool = False  # a lagged K = 0 probe: drafted a few rows (all, in a small batch)
     draft_rows: int = -1  # rows the drafter ran on (-1: every row, or none on a skipped step)
     resumed: bool = False  # lagged: the drafter's first run after steps without it
+    planned_tokens: float = math.nan  # lagged K > 0: the tokens K was planned on (StepRecord)
 
 
 class VerifyPlanner:
@@ -156,7 +168,7 @@ class VerifyPlanner:
         self.history = SurvivalHistory(depth=max(mode.lag, 1))
         self._worker = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
         # next step's K: computing on the worker, or known (memo hit: no Future to build)
-        self._next_k: Future[tuple[int, Rows]] | tuple[int, Rows] | None = None
+        self._next_k: Future[KPlan] | KPlan | None = None
         # the rows the last budget()'s K drafts, for draft_rows: ((ids, caps) bytes, K, rows)
         self._k_rows: tuple[tuple[bytes, bytes], int, np.ndarray] | None = None
         self.fallbacks: dict[str, int] = {}
@@ -181,7 +193,8 @@ class VerifyPlanner:
         # "prior" once skip() pushed the empty (all-prior) snapshot: later skips repeat it
         self._skip_src: str | None = None
         # the last K and what it was planned from (identities + bytes): the same inputs, same K
-        self._k_memo: tuple[tuple[object, ...], tuple[int, Rows]] | None = None
+        self._k_memo: tuple[tuple[object, ...], KPlan] | None = None
+        self._k_planned = math.nan  # what budget()'s K was planned on, for plan()
         self._next_key: tuple[object, ...] | None = None  # the inputs _next_k is computed from
         self._next_for = (b"", b"")  # (ids, max_len) bytes _next_k's rows index into
         # lagged: recent survival rows drafted without selection (POOL_ROWS; read-only array)
@@ -240,7 +253,9 @@ class VerifyPlanner:
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
         assert self.plans_before_drafting
-        k, rows, self._fallback = self._lagged_k(np.asarray(ids), self._sps(len(ids), ctx), max_len)
+        k, rows, self._k_planned, self._fallback = self._lagged_k(
+            np.asarray(ids), self._sps(len(ids), ctx), max_len
+        )
         self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
         return k
 
@@ -380,6 +395,8 @@ class VerifyPlanner:
             all_ids, all_max, all_ctx = batch
             self._submit_next(np.asarray(all_ids), self._sps(len(all_ids), all_ctx), all_max)
         self._count_fallback()
+        # what this step's lagged K was planned on (budget() set it this step)
+        planned = self._k_planned if self.plans_before_drafting and k else math.nan
         if batch is not None and self.capacity is not None:  # a row subset: price the whole step
             rr, cc = len(batch[0]), batch[2]
             tokens = rr + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
@@ -393,6 +410,7 @@ class VerifyPlanner:
                 probe=not k,
                 draft_rows=r,
                 resumed=resumed,
+                planned_tokens=planned,
             )
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
@@ -404,7 +422,15 @@ class VerifyPlanner:
             ) / predicted
         else:
             theta = expected_throughput(surv, lens, sps) if self.capacity else math.nan
-        return Plan(lens, int(lens.sum()), predicted, theta, self._fallback, resumed=resumed)
+        return Plan(
+            lens,
+            int(lens.sum()),
+            predicted,
+            theta,
+            self._fallback,
+            resumed=resumed,
+            planned_tokens=planned,
+        )
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
         """Survival rows from raw confidences, under both live corrections (capacity-driven
@@ -437,7 +463,7 @@ class VerifyPlanner:
         ids_b = np.asarray(ids, np.int64).tobytes()
         return (snap, self.prior, sps, self._pool, ids_b, ml.tobytes(), self._explore(ids.size))
 
-    def _memo_k(self, key: tuple[object, ...]) -> tuple[int, Rows] | None:
+    def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
         memo = self._k_memo
         if memo is None:
             return None
@@ -475,7 +501,7 @@ class VerifyPlanner:
         draft: np.ndarray | None = None,
         pool: np.ndarray | None = None,
         explore: bool = False,
-    ) -> tuple[int, Rows]:
+    ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
         one, and stratified pool rows (POOL_ROWS) when the whole batch is drafted: its live top-K
@@ -491,16 +517,19 @@ class VerifyPlanner:
             fill[absent] = stratified_rows(pool, int(np.count_nonzero(absent)))
         if draft is None:  # every K > 0 drafts every row
             surv = lagged if fill is None else fill
-            return lagged_global_k(surv, sps, max_len=max_len, min_user_tps=tps), None
+            k, tau = lagged_global_plan(surv, sps, max_len=max_len, min_user_tps=tps)
+            return k, None, tau if k > 0 else math.nan
+        r = ids.size
         k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
+        planned = _planned(theta, sps, r, k, float(draft[rows.size]))
         if fill is None and not explore:
-            return k, rows
+            return k, rows, planned
         every = np.full_like(draft, draft[-1])
         every[0] = 0.0
         surv = lagged if fill is None else fill
         k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
         if k_all > 0 and theta_all > theta:
-            return k_all, np.arange(ids.size)
+            return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
         if explore:
             if k_all == 0:  # the best plan that drafts: every row verifies at least one draft
                 once = np.minimum(np.asarray(max_len), 1)
@@ -508,20 +537,22 @@ class VerifyPlanner:
                     surv, sps, every, min_len=once, max_len=max_len, min_user_tps=tps
                 )
             if k_all > 0 and theta_all >= self.explore_ratio * theta:
-                return k_all, np.arange(ids.size)
-        return k, rows
+                return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
+        return k, rows, planned
 
     def _lagged_k(
         self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray
-    ) -> tuple[int, Rows, str]:
+    ) -> tuple[int, Rows, float, str]:
         future, self._next_k = self._next_k, None
         if future is not None:
-            k, rows = future if isinstance(future, tuple) else future.result()
+            k, rows, planned = future if isinstance(future, tuple) else future.result()
             if self._next_key is not None:
-                self._k_memo, self._next_key = (self._next_key, (k, rows)), None
-            # planned for last step's batch: its rows name this one's only if the batch is the same
-            same = self._next_for == _batch_key(ids, max_len)
-            return k, rows if same else None, ""
+                self._k_memo, self._next_key = (self._next_key, (k, rows, planned)), None
+            # planned for last step's batch: its rows and tokens are this one's only if the batch
+            # is the same
+            if self._next_for == _batch_key(ids, max_len):
+                return k, rows, planned, ""
+            return k, None, math.nan, ""
         # No plan from the previous step (first step, or overlap off): the same rule inline.
         key = self._k_key(ids, sps, max_len)
         got = self._memo_k(key)
@@ -531,7 +562,7 @@ class VerifyPlanner:
                 self.history, ids, self.prior, sps, max_len, draft, self._pool, key[6]
             )
             self._k_memo = (key, got)
-        return got[0], got[1], ("no_overlap_plan" if self._worker is not None else "")
+        return *got, ("no_overlap_plan" if self._worker is not None else "")
 
     def observe(
         self,

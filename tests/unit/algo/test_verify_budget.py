@@ -651,3 +651,26 @@ def test_a_few_confident_requests_pay_for_a_drafter_priced_by_its_rows() -> None
     k = vb.lagged_global_k(a, vb.row_priced_sps(a, sps, draft))
     assert k == 4
     assert np.flatnonzero(vb.assign_top_k(a, k)).tolist() == [0]
+
+
+def test_planned_tokens_are_r_plus_the_admitted_survival() -> None:
+    surv = np.array([[0.9, 0.5, 0.1], [0.8, 0.7, 0.6]])
+    assert vb.planned_tokens(surv, 0) == 2.0
+    assert vb.planned_tokens(surv, 3) == pytest.approx(2.0 + 0.9 + 0.8 + 0.7)
+    # a cap of one draft on row 1: the third pick is row 0's second
+    cap = np.array([3, 1])
+    assert vb.planned_tokens(surv, 3, max_len=cap) == pytest.approx(2.0 + 0.9 + 0.8 + 0.5)
+    assert vb.planned_tokens(surv, 99) == pytest.approx(2.0 + surv.sum())
+
+
+@FAST
+@given(instances(), st.sampled_from([0.0, 3.0, 1e6]))
+def test_lagged_global_plan_reads_the_planned_tokens_off_theta(inst: dict, tps: float) -> None:
+    """The τ the lagged K search returns is `planned_tokens` at its K: R + the survival of the
+    candidates assign_top_k admits."""
+    a, sps = survival(inst["conf"]), inst["sps"]
+    kw = {"min_len": inst["min_len"], "max_len": inst["max_len"]}
+    k, tau = vb.lagged_global_plan(a, sps, min_user_tps=tps, **kw)
+    assert k == vb.lagged_global_k(a, sps, min_user_tps=tps, **kw)
+    if sps.size > a.shape[0] + k and not np.isnan(tau):
+        assert tau == pytest.approx(vb.planned_tokens(a, k, **kw), rel=1e-9)

@@ -63,6 +63,7 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
             num_draft_reqs=1,
             num_accepted=3,
             predicted_seconds=0.011,
+            planned_tokens=5.0,  # 4 emitted: the lagged survival promised 1 more
         )
         for _ in range(2)
     ]
@@ -81,9 +82,16 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
     assert one.drafter_ms == pytest.approx(5.0)
     assert one.host_ms == pytest.approx(0.5)  # 4 x 0.5 and 2 x 1.0
     assert one.predicted_over_measured == pytest.approx(1.1)
+    assert one.realised_over_planned == pytest.approx(8 / 10)  # the plain steps planned nothing
     assert (three.r_lo, three.r_hi, three.steps) == (3, 4, 2)
     assert three.tok_per_s == pytest.approx(7 / 0.014)
-    for nan in (three.forward_ms, three.drafter_ms, three.host_ms, three.predicted_over_measured):
+    for nan in (
+        three.forward_ms,
+        three.drafter_ms,
+        three.host_ms,
+        three.predicted_over_measured,
+        three.realised_over_planned,
+    ):
         assert math.isnan(nan)
 
 

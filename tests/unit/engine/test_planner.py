@@ -479,3 +479,29 @@ def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None
     assert p.estimator.drift_events == ref.drift_events >= 1
     assert published is not None and p.capacity.version == published.version
     assert p.capacity.predict(1, 1, 150) == pytest.approx(published.predict(1, 1, 150))
+
+
+@given(
+    st.lists(st.floats(0.05, 0.99), min_size=4, max_size=24),
+    st.floats(0.0, 0.02),
+    st.floats(0.0, 0.004),
+)
+def test_the_planned_tokens_of_a_selective_k_are_its_top_k_survival(
+    conf: list[float], fixed: float, per_row: float
+) -> None:
+    """The planner reads the tokens a selective K was planned on off the search's Θ (one
+    multiplication instead of another top-K pass): the same number as planned_tokens."""
+    from dspark_sglang.algo import verify_budget as vb
+    from dspark_sglang.engine.planner import _planned
+
+    r = len(conf) // 4
+    surv = survival(np.asarray(conf[: 4 * r]).reshape(r, 4))
+    sps = 1.0 / (0.004 + 0.0002 * np.arange(r * 5 + 1))
+    draft = fixed + per_row * np.arange(r + 1)
+    draft[0] = 0.0
+    k, rows, theta = vb.selective_k(surv, sps, draft)
+    got = _planned(theta, sps, r, k, float(draft[rows.size]))
+    if k == 0:
+        assert np.isnan(got)
+    else:
+        assert got == pytest.approx(vb.planned_tokens(surv, k), rel=1e-9)

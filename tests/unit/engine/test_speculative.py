@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -515,6 +516,39 @@ def test_lagged_overlap_thread_plans_the_k_inline_planning_would(
         assert 0 in k_on and 0 in k_off
     # only the thread's first step has no plan from the step before it
     assert fb_on == {"no_overlap_plan": 1} and fb_off == fb_d == {}
+
+
+def test_lagged_records_the_tokens_each_k_was_planned_on(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A lagged step with K > 0 records the tokens its K was planned on: the R rows plus at most
+    K drafts' survival; plain steps and probes plan nothing (nan), and neither do other modes.
+    With a drafter that is always right, every planned draft is accepted, so the step emits at
+    least what it was planned on."""
+    target, drafter = pair
+    ps = prompts(3, seed=7)
+    ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
+    spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, max_running_requests=3)
+    spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
+    recs: list[StepRecord] = []
+    spec.on_step = recs.append
+    spec.generate(ps, GREEDY)
+    spec.close()
+    decode = [r for r in recs if r.num_prefill_tokens == 0]
+    planned = [r for r in decode if math.isfinite(r.planned_tokens)]
+    assert planned, "no lagged step with K > 0"
+    for r in decode:  # K is planned inline on the CPU, always for the step's own batch
+        assert math.isfinite(r.planned_tokens) == (r.verify_budget_k > 0 and not r.probe)
+    for r in planned:
+        assert r.num_reqs <= r.planned_tokens <= r.num_reqs + r.verify_budget_k + 1e-9
+        assert r.num_decode_reqs + r.num_accepted >= r.planned_tokens - 1e-9
+    fixed = LLM(str(target), draft_model=str(drafter), schedule_mode="fixed:2", num_blocks=128)
+    frecs: list[StepRecord] = []
+    fixed.on_step = frecs.append
+    fixed.generate(ps[:1], GREEDY)
+    fixed.close()
+    assert all(math.isnan(r.planned_tokens) for r in frecs)
 
 
 def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:
