@@ -109,6 +109,26 @@ def test_passes_are_aggregated_by_median() -> None:
     assert row["output_throughput_passes"] == "100.0;300.0;200.0"
 
 
+class _FakeServer:
+    """Stands in for sweep.Server: starts nothing."""
+
+    def __init__(self, cmd: list[str], *_: object) -> None:
+        pass
+
+    def __enter__(self) -> _FakeServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+
+def _fake_result(ns: object) -> dict:
+    """What serving.run returns for one level, from the sweep's own arguments."""
+    meta = dict(ns.metadata)  # type: ignore[attr-defined]
+    return _row(meta["policy"], ns.max_concurrency, 100.0, 10.0) | {  # type: ignore[attr-defined]
+        "accept_length": 1.0, "failed": 0}  # fmt: skip
+
+
 def test_interleaved_sweep_runs_one_server_per_policy_and_alternates_the_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -117,22 +137,15 @@ def test_interleaved_sweep_runs_one_server_per_policy_and_alternates_the_order(
     started: list[list[str]] = []
     measured: list[tuple[str, str, int]] = []
 
-    class FakeServer:
+    class FakeServer(_FakeServer):
         def __init__(self, cmd: list[str], url: str, *_: object) -> None:
             started.append(cmd)
             assert url.endswith(cmd[cmd.index("--port") + 1])
 
-        def __enter__(self) -> FakeServer:
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            pass
-
     def fake_run(ns: object) -> dict:
         meta = dict(ns.metadata)  # type: ignore[attr-defined]
         measured.append((ns.base_url, meta["policy"], ns.max_concurrency))  # type: ignore[attr-defined]
-        return _row(meta["policy"], ns.max_concurrency, 100.0, 10.0) | {  # type: ignore[attr-defined]
-            "accept_length": 1.0, "failed": 0}  # fmt: skip
+        return _fake_result(ns)
 
     monkeypatch.setattr(sweep, "Server", FakeServer)
     monkeypatch.setattr(sweep.serving, "run", fake_run)
@@ -218,7 +231,7 @@ def test_step_logs_go_one_folder_per_policy_and_end_in_a_step_report(
 
     enc = msgspec.json.Encoder()
 
-    class FakeServer:  # writes a step log where the worker would
+    class FakeServer(_FakeServer):  # writes a step log where the worker would
         def __init__(self, cmd: list[str], *_: object) -> None:
             folder = Path(cmd[cmd.index("--step-log") + 1])
             folder.mkdir(parents=True, exist_ok=True)
@@ -227,19 +240,8 @@ def test_step_logs_go_one_folder_per_policy_and_end_in_a_step_report(
             with (folder / "decode0.steps.jsonl").open("ab") as f:  # as the worker: append
                 f.write((enc.encode(rec) + b"\n") * 30)
 
-        def __enter__(self) -> FakeServer:
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            pass
-
-    def fake_run(ns: object) -> dict:
-        meta = dict(ns.metadata)  # type: ignore[attr-defined]
-        return _row(meta["policy"], ns.max_concurrency, 100.0, 10.0) | {  # type: ignore[attr-defined]
-            "accept_length": 1.0, "failed": 0}  # fmt: skip
-
     monkeypatch.setattr(sweep, "Server", FakeServer)
-    monkeypatch.setattr(sweep.serving, "run", fake_run)
+    monkeypatch.setattr(sweep.serving, "run", _fake_result)
     logs = tmp_path / "steps"
     (logs / "lagged").mkdir(parents=True)  # a previous run's log: a new sweep starts anew
     (logs / "lagged" / "decode0.steps.jsonl").write_text("{not a record\n")
