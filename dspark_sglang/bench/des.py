@@ -218,6 +218,16 @@ class Linear:
         return Linear(*parts)
 
 
+def _product(a: Curve, b: Curve) -> Curve:
+    """a(x) · b(x) at the union of their knots (linear in between), each flat outside its own
+    knots as the live scale reads them."""
+    ks = sorted({*a.knots, *b.knots})
+    return Curve(
+        tuple(ks),
+        tuple(float(np.interp(k, a.knots, a.values) * np.interp(k, b.knots, b.values)) for k in ks),
+    )
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Step seconds = target forward T(R, B, ctx) from the profile + host overhead(R) every step
@@ -244,18 +254,16 @@ class CostModel:
             t = max(t + self.prefill(prefill_tokens), floor)
         return t
 
-    def slowed(self, factor: float) -> CostModel:
+    def slowed(self, factor: float, forward: Curve | None = None) -> CostModel:
         """Every term × `factor`: the same engine on a host running at 1 / factor of the speed
-        the terms were measured at (validate's host speed index)."""
-        if factor <= 0:
-            raise ValueError(f"speed factor must be > 0, got {factor}")
+        the terms were measured at (validate's host speed index). `forward`: the target
+        forward's factor by batch tokens instead (flat outside its knots, as the live scale); a
+        slow spell of this host slowed a B = 1 forward 1.4x more than B >= 4 ones."""
+        if factor <= 0 or (forward is not None and min(forward.values) <= 0):
+            raise ValueError(f"speed factor must be > 0, got {factor} / {forward}")
         cap = self.capacity
-        scale = (
-            Curve((1.0,), (factor,))
-            if cap.scale is None
-            else Curve(cap.scale.knots, tuple(v * factor for v in cap.scale.values))
-        )
-        cap = replace(cap, scale=scale)
+        by = forward if forward is not None else Curve((1.0,), (factor,))
+        cap = replace(cap, scale=by if cap.scale is None else _product(cap.scale, by))
         if cap.host is not None:
             cap = replace(
                 cap, host=Curve(cap.host.knots, tuple(v * factor for v in cap.host.values))

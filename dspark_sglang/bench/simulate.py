@@ -535,16 +535,19 @@ def run_engine_closed_loop(
 
 
 # Decode batches timed back to back, 128 tokens of context each: how fast the host runs the
-# target at a given moment, against the profile.
-SPEED_POINTS = (1, 8, 32)
+# target at a given moment, against the profile, by batch size.
+SPEED_POINTS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def host_speed(llm: Any, capacity: Any, repeats: int = 7) -> float:
-    """This host's speed right now relative to the profile: the median over SPEED_POINTS of
-    (back-to-back target forward seconds / profile seconds), timed on an idle engine's runner
-    and pool. Validate times it around every run, so the simulated host runs at the speed the
-    real one ran at without reading the validated run's own steps: on the shared 2-core VM the
-    same forward ran 1.9-2.8x the profile within one validation, more than the 10 % band."""
+def host_speed(llm: Any, capacity: Any, repeats: int = 7) -> Curve:
+    """This host's speed right now relative to the profile, by batch tokens: (back-to-back
+    target forward seconds / profile seconds) at each of SPEED_POINTS, timed on an idle engine's
+    runner and pool. Validate times it around every run, so the simulated host runs at the speed
+    the real one ran at without reading the validated run's own steps: on the shared 2-core VM
+    the same forward ran 1.9-2.8x the profile within one validation, more than the 10 % band.
+    By batch, because a slow spell does not slow every forward alike: on 2026-12-03 a B = 1
+    forward ran 1.40x (1.16-1.54 over 8 rounds) the median of the B = 1, 8, 32 ratios, B = 2 1.05
+    and B = 4-32 0.96-1.00; one scalar (that median) priced validate's c = 1 runs 11-17 % fast."""
     import torch
 
     from dspark_sglang.engine.profiler import GridPoint, time_point
@@ -556,7 +559,20 @@ def host_speed(llm: Any, capacity: Any, repeats: int = 7) -> float:
             llm.runner, llm.pool, GridPoint("decode", b, 1, 128), repeats, warmup=2, gen=gen
         )
         ratios.append(row["median_s"] / capacity.predict(b, b, b * 128 + b))
-    return float(np.median(ratios))
+    return Curve(tuple(float(b) for b in SPEED_POINTS), tuple(ratios))
+
+
+def speed_scalar(speed: Curve) -> float:
+    """One factor for the host work that is not a target forward (per-step overhead, drafter,
+    prompt excess): the B = 1 forward's, which is interpreter-bound as that work is."""
+    return float(speed.values[0])
+
+
+def _mean_curve(a: Curve, b: Curve) -> Curve:
+    return Curve(a.knots, tuple(0.5 * (x + y) for x, y in zip(a.values, b.values, strict=True)))
+
+
+_UNIT_SPEED = Curve((1.0,), (1.0,))
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray, signed: bool = False) -> Linear:
@@ -602,25 +618,26 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     prompts = [meter.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
     prompts = prompts[: args.num_prompts]
 
-    def speed() -> float:
-        return host_speed(meter, capacity) if args.speed_index else 1.0
+    def speed() -> Curve:
+        return host_speed(meter, capacity) if args.speed_index else _UNIT_SPEED
 
-    def measured(policy: str, c: int) -> tuple[dict[str, Any], float]:
+    def measured(policy: str, c: int) -> tuple[dict[str, Any], Curve]:
         """One closed-loop run and the host's speed around it (mean of before and after)."""
         llm = engine(policy, c)
         before = speed()
         res = run_engine_closed_loop(
             llm, prompts, args.output_len, c, n_req(c), args.temperature, args.seed, capacity
         )
-        return res, 0.5 * (before + speed())
+        return res, _mean_curve(before, speed())  # by batch tokens; flat outside, as the scale
 
     def n_req(c: int) -> int:
         return max(args.requests_per_user * c, args.min_requests)
 
     # 1. What the profile does not hold, from calibration loads (not validated ones): how fast the
     # engine's forwards run against the profile's back-to-back ones, per batch size, and each
-    # policy's host work per step. Every time is divided by the host speed index around its run,
-    # so the fits hold at the profile's host speed; a validated run multiplies them by its own.
+    # policy's host work per step. Every time is divided by the host speed index around its run
+    # (a forward by the index at its batch tokens, the rest by the index's median), so the fits
+    # hold at the profile's host speed; a validated run multiplies them by its own.
     cal_speed: list[float] = []
     cal: dict[str, list[np.ndarray]] = {"no-spec": [], "spec": [], "drafter": []}
     drift_at: dict[float, float] = {}  # decode batch size -> engine forward / profile forward
@@ -633,10 +650,14 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     for c in args.calibrate_at:
         for pol in cal_policies:
             log(f"calibration run: {pol} c={c}")
-            res, host = measured(pol, c)
+            res, by_batch = measured(pol, c)
+            host = speed_scalar(by_batch)
             cal_speed.append(host)
             steps = res["steps"].copy()
-            steps[:, [1, 5, 9]] /= host  # wall, forward, drafter seconds
+            fwd = steps[:, 5] / np.interp(steps[:, 10], by_batch.knots, by_batch.values)
+            steps[:, 1] = fwd + (steps[:, 1] - steps[:, 5]) / host  # wall
+            steps[:, 5] = fwd
+            steps[:, 9] /= host  # drafter seconds
             cal[
                 "no-spec" if pol == "no-spec" else "spec" if pol == args.policy else "drafter"
             ].append(steps)
@@ -702,9 +723,10 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     for rep in range(args.repeats):
         for c, pol in points:
             log(f"validation run {rep + 1}/{args.repeats}: {pol} c={c}")
-            real, host = measured(pol, c)
+            real, by_batch = measured(pol, c)
+            host = speed_scalar(by_batch)
             cfg = SimConfig(c, n_req(c), mode="colocated", seed=args.seed)
-            cost = costs[pol].slowed(host)
+            cost = costs[pol].slowed(host, by_batch)
             sim = run_point(cost, pol, bank, wl, cfg)
             # Diagnostic only (it reads the validated run itself): the forward priced at this
             # run's own decode forward/profile ratio instead of the calibrated curve, which
@@ -716,8 +738,11 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
                 "real_throughput": real["output_throughput"],
                 "sim_throughput": sim.output_throughput,
                 "host_speed": host,
+                "host_speed_by_batch": list(by_batch.values),
                 "real_decode_forward_vs_profile": real["decode_forward_vs_profile"],
-                "calibrated_decode_forward_vs_profile": host * float(drift_of(np.array([c]))[0]),
+                "calibrated_decode_forward_vs_profile": float(
+                    np.interp(c, by_batch.knots, by_batch.values) * drift_of(np.array([c]))[0]
+                ),
                 "sim_throughput_drift_corrected": sim_d.output_throughput,
                 "real_step_ms": real["mean_step_ms"],
                 "sim_step_ms": sim.mean_step_ms,

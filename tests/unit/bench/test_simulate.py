@@ -167,6 +167,37 @@ def test_a_slowed_cost_model_charges_every_term_by_the_speed_factor() -> None:
         cost.slowed(0.0)
 
 
+def test_a_forward_speed_by_batch_slows_each_forward_by_its_own_factor() -> None:
+    """validate's per-batch index: the target forward at B tokens is charged the index at B
+    (flat outside its knots, times the live scale it carries), the host work the scalar."""
+    from dspark_sglang.algo.capacity import TableModel
+
+    # a table row at each B tested, so each forward runs at its own B (no bucket above it); the
+    # B tested are knots of either curve, where their product is exact (linear in between)
+    table = TableModel((1, 8, 32, 200), (0.01, 0.012, 0.02, 0.03))
+    base = CapacityModel(table, scale=Curve((1.0, 64.0), (1.1, 1.4)))
+    cost = CostModel(base, Linear(0.002, 0.0001), Linear(0.003, 0.0005))
+    by_batch = Curve((1.0, 8.0, 32.0), (3.0, 2.0, 2.5))
+    slow = cost.slowed(2.0, by_batch)
+    bare = CostModel(CapacityModel(table))
+    for r, b, ctx, drafting in [(1, 1, 100, 0), (1, 8, 100, 1), (4, 32, 900, 4), (8, 200, 900, 0)]:
+        live = float(np.interp(b, (1.0, 64.0), (1.1, 1.4)))
+        fwd = (
+            bare.step_seconds(r, b, ctx, 0)
+            * live
+            * float(np.interp(b, by_batch.knots, by_batch.values))
+        )
+        host = 2.0 * (cost.overhead(r) + (cost.draft(drafting) if drafting else 0.0))
+        assert slow.step_seconds(r, b, ctx, drafting) == pytest.approx(fwd + host)
+    flat = Curve((1.0,), (2.0,))  # a flat index is the scalar one
+    for b in (1, 20, 200):
+        assert cost.slowed(2.0, flat).step_seconds(4, b, 900, 4) == pytest.approx(
+            cost.slowed(2.0).step_seconds(4, b, 900, 4)
+        )
+    with pytest.raises(ValueError, match="speed factor"):
+        cost.slowed(2.0, Curve((1.0, 8.0), (1.0, 0.0)))
+
+
 def test_simulator_is_deterministic_with_a_seed() -> None:
     bank = synthetic_bank(SyntheticSpec(PAPER_ACCEPTANCE["code"]), 5, np.random.default_rng(0),
                           num_trajectories=32, rounds=64)  # fmt: skip
@@ -284,6 +315,9 @@ def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path
         assert r["error"] == pytest.approx(float(np.median(paired)))
     # The index is timed around every calibration run: 2 loads x (no-spec, lagged, verify-all).
     assert rep["speed_index"] and len(rep["calibration_host_speed"]) == 6
+    for r in rep["rows"]:  # the index by batch tokens, at every speed point, around each run
+        for run in r["runs"]:
+            assert len(run["host_speed_by_batch"]) == len(simulate.SPEED_POINTS)
     off = tmp_path / "off.json"
     no_index = [*val, "--min-requests", "2", "--no-speed-index", "--repeats", "1"]
     assert simulate.main([*no_index, "--out", str(off)]) == 0
