@@ -439,7 +439,9 @@ class LLMEngine:
         )
         self._draft_seconds = time.perf_counter() - t0
         self._draft_rows = len(ready)
-        self._last_plan = self.planner.plan(ids, logits, max_len, ctx, k, whole)
+        self._last_plan = self.planner.plan(
+            ids, logits, max_len, ctx, k, whole, backlog=self._draft_backlog
+        )
         lens = self._last_plan.lengths
         toks = proposal.tokens.tolist()  # draft ids go into the host-built batch
         self.stats.drafted += len(ready) * self.gamma

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark_sglang.algo.capacity import CapacityModel
-from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator
+from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator, r_bin
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
@@ -37,6 +37,7 @@ from dspark_sglang.algo.verify_budget import (
 from dspark_sglang.types import StepRecord
 
 _NO_SPS = np.ones(1)  # modes that never read a capacity curve
+_NO_SWITCH = (0.0, 0.0, 0.0)  # a K search that charges no switch (RESUME_RATE)
 PROBE_MIN, PROBE_MAX = 8, 256  # lagged K = 0: steps between drafting probes (doubling)
 # Requests a probe drafts and verifies (in rotation): enough acceptance evidence per probe, at a
 # cost that does not grow with the batch (a probe of all 32 requests on the CPU engine cost a
@@ -92,6 +93,26 @@ EXPLORE_RATIO = 0.75
 # slower too (in-process, c = 1, lagged at K = 0: step 2.99 ms against 2.82 with no estimator,
 # 2.89 folding 16). What it delays: a publish or a drift alarm by up to FOLD_RECORDS - 1 steps.
 FOLD_RECORDS = 16
+# Resuming the drafter after plain steps costs more than a drafting step that follows one: its
+# first pass projects the skipped steps' rows into its cache and runs with its weights evicted by
+# the target's forwards. Served, 2026-12-03, c = 1 (R = 1): a resumed K = 5 step's drafter took
+# 3.05 ms against 2.75 after a drafting step, a resumed K = 7 one 3.17 against 2.70, and the step
+# 8.5-10.0 ms against 7.9-8.1. The live draft term learns from steady steps only, so a switch was
+# priced free either way and lagged flipped between plain and drafting steps on break-even
+# margins, paying the resume each time (8 % of that run's time on resumed steps, at 0.31 tokens a
+# ms against 0.38-0.42 for steady drafting). The planner learns the resumed drafter's excess over
+# a steady one of as many rows (r_bin), as a ratio (EMA, RESUME_RATE; capped at RESUME_MAX), and
+# charges it, times the drafter's price, where the decision causes it: in a drafting run a K = 0
+# step pays it (its resume comes later), in a plain run (or after a probe) every K > 0 does, each
+# spread over the average length of the run the switch would start (one resume per run: charged
+# whole to every step, a plain stretch at high load whose steps each beat drafting by less than a
+# resume would never be entered).
+# Decisions only: predicted step times stay the engine's own. The steady time is the planner's
+# own average of steady drafter runs (RESUME_MIN_STEADY of them first), not the draft term: at a
+# load where the drafter rarely runs steadily that term is still the start-up profile's, and
+# against it every resume looked 2-3x dear (in-process, c = 1, a host 2x slower than the
+# profile), which held lagged drafting where plain steps were faster.
+RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -121,6 +142,19 @@ def _planned(theta: float, sps: np.ndarray, r: int, k: int, draft_s: float) -> f
     if k <= 0 or not math.isfinite(theta):
         return math.nan
     return theta * (1.0 / float(sps[r + k]) + draft_s)
+
+
+def _charged_sps(sps: np.ndarray, r: int, skip_s: float, resume_s: float) -> np.ndarray:
+    """The whole-batch SPS table with a switch charged (RESUME_RATE): `skip_s` seconds on the
+    plain step B = R, `resume_s` on every drafting one B > R."""
+    if not (skip_s or resume_s) or sps.size <= r:
+        return sps
+    out = np.array(sps, np.float64, copy=True)
+    if skip_s:
+        out[r] = 1.0 / (1.0 / out[r] + skip_s)
+    if resume_s:
+        out[r + 1 :] = 1.0 / (1.0 / out[r + 1 :] + resume_s)
+    return out
 
 
 def _batch_key(ids: object, max_len: object) -> tuple[bytes, bytes]:
@@ -179,6 +213,16 @@ class VerifyPlanner:
         self._probe_every = PROBE_MIN
         self._retime = False  # the step after a whole-batch probe drafts too (retimes the price)
         self._drafting_run = 0  # consecutive steps with K > 0
+        self._last_rows = 0  # rows the last K > 0 step drafted
+        self.resume_ratio = 0.0  # a resumed drafter's excess over its steady price (RESUME_RATE)
+        self._resumes = 0  # resumed steps that taught resume_ratio
+        self._resume_rows = 0  # rows of this step's drafter run when it resumed (observe reads it)
+        self._steady_run = False  # this step's drafter run followed a drafting step
+        self._plain_run = 0  # consecutive steps with K = 0 (skipped or probes)
+        # average length of finished (plain, drafting) runs and how many finished (RESUME_RATE)
+        self._run_len = {"plain": (1.0, 0), "drafting": (1.0, 0)}
+        # r_bin(rows) -> (average seconds of a steady drafter run of that many rows, runs)
+        self._steady: dict[int, tuple[float, int]] = {}
         self._probe_next = 0  # rotation offset of the rows the next probe drafts
         self._probe_load = 0  # batch size when the probe gap was last PROBE_MIN
         # live recalibration of the confidences (capacity-driven modes only)
@@ -295,7 +339,9 @@ class VerifyPlanner:
         sps = self._sps(r, ctx)
         self._track_load(r)
         self._since_draft += 1
+        self._end_run("drafting", self._drafting_run)
         self._drafting_run = 0
+        self._plain_run += 1
         age = self._since_draft
         weight = STALE_DECAY**age
         if self._last_raw is None or (age & (age - 1) and weight >= STALE_FLOOR):
@@ -328,6 +374,7 @@ class VerifyPlanner:
         ctx: int,
         k: int | None = None,
         batch: tuple[list[int], np.ndarray, int] | None = None,
+        backlog: bool = False,
     ) -> Plan:
         """Verify lengths for this step's drafts; lagged mode takes the K `budget` returned.
         `batch` = (ids, max_len, ctx) of every decode row when the drafts cover only some of
@@ -347,6 +394,10 @@ class VerifyPlanner:
             raw = surv = np.ones((r, self.gamma))
         sps = self._sps(r, ctx)
         resumed = self.plans_before_drafting and self._since_draft > 0
+        # a drafter run that resumed after plain steps teaches the switch's price; one that also
+        # projected a prompt's rows (`backlog`) prices nothing the planner chooses between
+        self._resume_rows = r if resumed and not backlog and conf_logits is not None else 0
+        self._steady_run = not (resumed or backlog)
         if self.plans_before_drafting:
             if k is None:
                 k = self.budget(ids, max_len, ctx)
@@ -365,9 +416,14 @@ class VerifyPlanner:
                     self._probe_every = min(2 * self._probe_every, PROBE_MAX)
                 whole = batch is None or len(batch[0]) == r
                 self._retime = resumed and whole and self._probe_every > PROBE_MIN
+                self._end_run("drafting", self._drafting_run)
                 self._drafting_run = 0
+                self._plain_run += 1
             else:
+                self._end_run("plain", self._plain_run)
+                self._plain_run = 0
                 self._drafting_run += 1
+                self._last_rows = r
                 if self._drafting_run >= PROBE_MIN:
                     self._probe_every = PROBE_MIN
             self._since_draft = 0
@@ -461,7 +517,16 @@ class VerifyPlanner:
         snap = snaps[-lag] if len(snaps) >= lag else None
         ml = np.asarray(max_len, np.int64)
         ids_b = np.asarray(ids, np.int64).tobytes()
-        return (snap, self.prior, sps, self._pool, ids_b, ml.tobytes(), self._explore(ids.size))
+        return (
+            snap,
+            self.prior,
+            sps,
+            self._pool,
+            ids_b,
+            ml.tobytes(),
+            self._explore(ids.size),
+            self._switch(ids.size),
+        )
 
     def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
         memo = self._k_memo
@@ -483,7 +548,7 @@ class VerifyPlanner:
         # next step's K, while this step's forward runs
         hist, prior, draft = self.history, self.prior, self._draft_for(ids.size)
         self._next_k = self._worker.submit(
-            self._k_from_history, hist, ids, prior, sps, max_len, draft, self._pool, key[6]
+            self._k_from_history, hist, ids, prior, sps, max_len, draft, self._pool, *key[6:]
         )
         self._next_key = key
 
@@ -501,13 +566,15 @@ class VerifyPlanner:
         draft: np.ndarray | None = None,
         pool: np.ndarray | None = None,
         explore: bool = False,
+        switch: tuple[float, float, float] = _NO_SWITCH,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
         one, and stratified pool rows (POOL_ROWS) when the whole batch is drafted: its live top-K
         then picks among them all, which the pool's spread prices and the prior's mean does not.
         `explore`: the drafter's price at this R is untested, and the whole batch is drafted
-        while priced within EXPLORE_RATIO of the best plan."""
+        while priced within EXPLORE_RATIO of the best plan. `switch`: what the plan charges the
+        switch it may cause (`_switch`)."""
         lagged, hit = history.lagged_with_hits(ids, self.mode.lag, prior)
         tps = self.min_user_tps
         absent = ~hit
@@ -515,17 +582,22 @@ class VerifyPlanner:
         if pool is not None and pool.shape[0] >= POOL_MIN and np.count_nonzero(absent) >= 2:
             fill = lagged.copy()
             fill[absent] = stratified_rows(pool, int(np.count_nonzero(absent)))
+        skip_s, resume, resume_s = switch
         if draft is None:  # every K > 0 drafts every row
             surv = lagged if fill is None else fill
+            sps = _charged_sps(sps, ids.size, skip_s, resume_s)
             k, tau = lagged_global_plan(surv, sps, max_len=max_len, min_user_tps=tps)
             return k, None, tau if k > 0 else math.nan
+        if skip_s or resume:  # draft[n]: the drafter of n rows; draft[0]: none (a plain step)
+            draft = draft * (1.0 + resume)
+            draft[0] = skip_s
         r = ids.size
         k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
         planned = _planned(theta, sps, r, k, float(draft[rows.size]))
         if fill is None and not explore:
             return k, rows, planned
         every = np.full_like(draft, draft[-1])
-        every[0] = 0.0
+        every[0] = draft[0]
         surv = lagged if fill is None else fill
         k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
         if k_all > 0 and theta_all > theta:
@@ -559,7 +631,7 @@ class VerifyPlanner:
         if got is None:
             draft = self._draft_for(ids.size)
             got = self._k_from_history(
-                self.history, ids, self.prior, sps, max_len, draft, self._pool, key[6]
+                self.history, ids, self.prior, sps, max_len, draft, self._pool, *key[6:]
             )
             self._k_memo = (key, got)
         return *got, ("no_overlap_plan" if self._worker is not None else "")
@@ -575,12 +647,55 @@ class VerifyPlanner:
         verified rows' request ids, in the order of the arrays) and the live capacity model."""
         if verify_lens.size:  # a skipped step verified nothing: the record is all it brings
             self.observe_acceptance(verify_lens, accepted, ids)
+        if rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds):
+            if self._resume_rows:
+                self._learn_resume(self._resume_rows, rec.draft_seconds)
+            elif self._steady_run and not (rec.draft_resumed or rec.probe) and rec.num_draft_reqs:
+                self._learn_steady(rec.num_draft_reqs, rec.draft_seconds)
+        self._resume_rows, self._steady_run = 0, False
         if self.estimator is None:
             return
         self._queued.append(rec)
         if rec.draft_seconds == 0.0 and len(self._queued) < self.fold:
             return
         self.flush_records()
+
+    def _learn_steady(self, rows: int, seconds: float) -> None:
+        mean, n = self._steady.get(r_bin(rows), (seconds, 0))
+        mean += max(RESUME_RATE, 1.0 / (n + 1)) * (seconds - mean)
+        self._steady[r_bin(rows)] = (mean, n + 1)
+
+    def _learn_resume(self, rows: int, seconds: float) -> None:
+        """Fold a resumed drafter run's excess over steady runs of as many rows into
+        resume_ratio (nothing until RESUME_MIN_STEADY steady runs were timed there)."""
+        steady, n = self._steady.get(r_bin(rows), (0.0, 0))
+        if n < RESUME_MIN_STEADY or not steady > 0.0:
+            return
+        excess = min(max(seconds / steady - 1.0, 0.0), RESUME_MAX)
+        self._resumes += 1
+        self.resume_ratio += max(RESUME_RATE, 1.0 / self._resumes) * (excess - self.resume_ratio)
+
+    def _switch(self, r: int) -> tuple[float, float, float]:
+        """What a K search for R requests charges the switch it may cause (RESUME_RATE):
+        (seconds on K = 0, ratio on the drafter price of every K > 0, the same in seconds for a
+        whole-batch drafter)."""
+        rho = self.resume_ratio
+        if rho <= 0.0 or self.capacity is None or r <= 0:
+            return _NO_SWITCH
+        if self._drafting_run > 0:  # skipping now means resuming later, on about these rows
+            rows = min(max(self._last_rows, 1), r)
+            per = rho / self._run_len["plain"][0]
+            return (per * float(self.capacity.draft_seconds(rows)), 0.0, 0.0)
+        per = rho / self._run_len["drafting"][0]
+        return (0.0, per, per * float(self.capacity.draft_seconds(r)))
+
+    def _end_run(self, kind: str, steps: int) -> None:
+        """A run of `steps` steps of one kind ended: fold its length into the average."""
+        if steps <= 0:
+            return
+        mean, n = self._run_len[kind]
+        mean += max(RESUME_RATE, 1.0 / (n + 1)) * (steps - mean)
+        self._run_len[kind] = (max(mean, 1.0), n + 1)
 
     def flush_records(self) -> None:
         """Feed the queued step records (FOLD_RECORDS) to the live estimator, in step order."""

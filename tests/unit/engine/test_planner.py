@@ -505,3 +505,106 @@ def test_the_planned_tokens_of_a_selective_k_are_its_top_k_survival(
         assert np.isnan(got)
     else:
         assert got == pytest.approx(vb.planned_tokens(surv, k), rel=1e-9)
+
+
+def test_a_resumed_drafter_teaches_the_switch_price_and_a_prompt_backlog_does_not() -> None:
+    """resume_ratio folds (drafter seconds / the average steady run of as many rows - 1) of
+    drafting steps that resumed after plain steps, capped at RESUME_MAX: the first at full
+    weight, then averaged, and none before RESUME_MIN_STEADY steady runs were timed (the draft
+    term is not the yardstick: here it prices 4 ms where the drafter takes 2). A drafting step
+    after a drafting step, and a resumed one that also projected a prompt's rows, teach
+    nothing."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import RESUME_MAX, RESUME_MIN_STEADY, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)), draft=Curve((1.0, 64.0), (0.004, 0.1)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True)
+    ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
+    steady = 0.002
+
+    def drafting(seconds: float, backlog: bool = False) -> None:
+        p.plan(ids, logits, max_len, 10, 3, backlog=backlog)
+        rec = StepRecord(0, 1, 4, 0, 1, 10, 0.03, draft_seconds=seconds, num_draft_reqs=1)
+        p.observe(np.array([3]), np.array([1]), rec, ids)
+
+    p.skip(ids, max_len, 10)
+    drafting(3 * steady)  # resumed, but no steady run to compare with
+    for _ in range(RESUME_MIN_STEADY):
+        drafting(steady)
+    p.skip(ids, max_len, 10)
+    drafting(5 * steady, backlog=True)
+    assert p.resume_ratio == 0.0
+    p.skip(ids, max_len, 10)
+    drafting(1.5 * steady)
+    assert p.resume_ratio == pytest.approx(0.5)
+    drafting(steady)  # follows a drafting step: steady, and it keeps the average
+    p.skip(ids, max_len, 10)
+    p.skip(ids, max_len, 10)
+    drafting(9 * steady)
+    assert p.resume_ratio == pytest.approx((0.5 + RESUME_MAX) / 2)
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_the_switch_is_charged_to_the_choice_that_causes_it(selective: bool) -> None:
+    """With a learned resume excess, a K search in a plain run (here after two probes) charges it
+    to every drafting K, and one in a drafting run charges it to K = 0 (whose resume comes
+    later): a drafter priced a little under break-even drafts only once drafting, one priced a
+    little over it keeps drafting once drafting. Without the excess both follow the price."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    # B = 1 costs 10 ms, B = 2 … 64 20 ms; the one request is confident: K = 4 if it pays
+    table = TableModel((1, 64), (0.01, 0.02))
+    ids, max_len, logits = [7], np.array([4]), np.full((1, 4), 4.0)
+    probe = VerifyPlanner(
+        parse_schedule_mode("lagged"), 4, CapacityModel(table), None, False, 0.0, False
+    )
+    probe.plan(ids, logits, max_len, 10, 0)
+    tau = 1.0 + float(probe.history.lagged(np.array(ids), 1, probe.prior).sum())
+    even = tau / 100.0 - 0.02  # the drafter price at which K = 4 ties K = 0 (1 token / 10 ms)
+
+    def k_of(draft_s: float, ratio: float, drafting_run: bool) -> int:
+        cap = CapacityModel(table, draft=Curve((1.0, 64.0), (draft_s, draft_s)))
+        p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, selective)
+        p.plan(ids, logits, max_len, 10, 0)  # two probes: a lag-2 snapshot, a plain run
+        p.plan(ids, logits, max_len, 10, 0)
+        p.resume_ratio = ratio
+        if drafting_run:
+            p._drafting_run, p._last_rows = 1, 1
+        return p.budget(ids, max_len, 10)
+
+    cheap, dear = 0.9 * even, 1.1 * even
+    assert k_of(cheap, 0.0, False) == 4 and k_of(dear, 0.0, True) == 0  # no excess learned
+    assert k_of(cheap, 0.5, False) == 0  # resuming costs 1.5x: stay plain
+    assert k_of(cheap, 0.5, True) == 4
+    assert k_of(dear, 0.5, True) == 4  # skipping now costs a resume later: keep drafting
+    assert k_of(dear, 0.5, False) == 0
+
+
+def test_the_switch_charge_is_spread_over_the_run_it_would_start() -> None:
+    """One resume per run: a K = 0 step in a drafting run is charged the resume over the average
+    plain run, a K > 0 step in a plain run over the average drafting run (probes count as plain
+    steps), so a long plain stretch that beats drafting by less than a resume per step is still
+    entered."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)), draft=Curve((1.0, 64.0), (0.004, 0.1)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True)
+    ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
+    p.resume_ratio = 0.6
+    for _ in range(9):
+        p.skip(ids, max_len, 10)
+    p.plan(ids, logits, max_len, 10, 0)  # a probe: the tenth plain step
+    for _ in range(6):
+        p.plan(ids, logits, max_len, 10, 3)
+    skip_s, ratio, _ = p._switch(1)  # in a drafting run, after one plain run of 10
+    assert ratio == 0.0 and skip_s == pytest.approx(0.6 * 0.004 / 10)
+    p.skip(ids, max_len, 10)  # ends a drafting run of 6
+    skip_s, ratio, whole_s = p._switch(1)
+    assert skip_s == 0.0 and ratio == pytest.approx(0.6 / 6)
+    assert whole_s == pytest.approx(0.6 / 6 * 0.004)
