@@ -37,7 +37,6 @@ from dspark_sglang.algo.verify_budget import (
 from dspark_sglang.types import StepRecord
 
 _NO_SPS = np.ones(1)  # modes that never read a capacity curve
-_NO_SWITCH = (0.0, 0.0, 0.0)  # a K search that charges no switch (RESUME_RATE)
 PROBE_MIN, PROBE_MAX = 8, 256  # lagged K = 0: steps between drafting probes (doubling)
 # Requests a probe drafts and verifies (in rotation): enough acceptance evidence per probe, at a
 # cost that does not grow with the batch (a probe of all 32 requests on the CPU engine cost a
@@ -102,11 +101,13 @@ FOLD_RECORDS = 16
 # margins, paying the resume each time (8 % of that run's time on resumed steps, at 0.31 tokens a
 # ms against 0.38-0.42 for steady drafting). The planner learns the resumed drafter's excess over
 # a steady one of as many rows (r_bin), as a ratio (EMA, RESUME_RATE; capped at RESUME_MAX), and
-# charges it, times the drafter's price, where the decision causes it: in a drafting run a K = 0
-# step pays it (its resume comes later), in a plain run (or after a probe) every K > 0 does, each
-# spread over the average length of the run the switch would start (one resume per run: charged
-# whole to every step, a plain stretch at high load whose steps each beat drafting by less than a
-# resume would never be entered).
+# in a drafting run charges a K = 0 step that ratio times the drafter's price (its resume comes
+# later), spread over the average plain run (one resume per run: charged whole to every step, a
+# plain stretch at high load whose steps each beat drafting by less than a resume would never be
+# entered). Leaving a plain run is not charged: a plain engine learns only from probes, and a
+# charge there deepened the K = 0 trap (sweep e14fdaa, c = 1: a 508-step plain run at R = 1 whose
+# probes accepted 2.6 of 7 drafts on average, where drafting made 0.31 tokens a ms and plain steps
+# 0.23, its lagged survival pessimistic at 2.8 planned tokens against 3.6 realised).
 # Decisions only: predicted step times stay the engine's own. The steady time is the planner's
 # own average of steady drafter runs (RESUME_MIN_STEADY of them first), not the draft term: at a
 # load where the drafter rarely runs steadily that term is still the start-up profile's, and
@@ -144,16 +145,13 @@ def _planned(theta: float, sps: np.ndarray, r: int, k: int, draft_s: float) -> f
     return theta * (1.0 / float(sps[r + k]) + draft_s)
 
 
-def _charged_sps(sps: np.ndarray, r: int, skip_s: float, resume_s: float) -> np.ndarray:
-    """The whole-batch SPS table with a switch charged (RESUME_RATE): `skip_s` seconds on the
-    plain step B = R, `resume_s` on every drafting one B > R."""
-    if not (skip_s or resume_s) or sps.size <= r:
+def _charged_sps(sps: np.ndarray, r: int, skip_s: float) -> np.ndarray:
+    """The whole-batch SPS table with `skip_s` seconds charged on the plain step B = R (the
+    resume it causes, RESUME_RATE)."""
+    if not skip_s or sps.size <= r:
         return sps
     out = np.array(sps, np.float64, copy=True)
-    if skip_s:
-        out[r] = 1.0 / (1.0 / out[r] + skip_s)
-    if resume_s:
-        out[r + 1 :] = 1.0 / (1.0 / out[r + 1 :] + resume_s)
+    out[r] = 1.0 / (1.0 / out[r] + skip_s)
     return out
 
 
@@ -219,8 +217,7 @@ class VerifyPlanner:
         self._resume_rows = 0  # rows of this step's drafter run when it resumed (observe reads it)
         self._steady_run = False  # this step's drafter run followed a drafting step
         self._plain_run = 0  # consecutive steps with K = 0 (skipped or probes)
-        # average length of finished (plain, drafting) runs and how many finished (RESUME_RATE)
-        self._run_len = {"plain": (1.0, 0), "drafting": (1.0, 0)}
+        self._plain_len = (1.0, 0)  # average length of finished plain runs, how many (RESUME_RATE)
         # r_bin(rows) -> (average seconds of a steady drafter run of that many rows, runs)
         self._steady: dict[int, tuple[float, int]] = {}
         self._probe_next = 0  # rotation offset of the rows the next probe drafts
@@ -339,7 +336,6 @@ class VerifyPlanner:
         sps = self._sps(r, ctx)
         self._track_load(r)
         self._since_draft += 1
-        self._end_run("drafting", self._drafting_run)
         self._drafting_run = 0
         self._plain_run += 1
         age = self._since_draft
@@ -416,12 +412,10 @@ class VerifyPlanner:
                     self._probe_every = min(2 * self._probe_every, PROBE_MAX)
                 whole = batch is None or len(batch[0]) == r
                 self._retime = resumed and whole and self._probe_every > PROBE_MIN
-                self._end_run("drafting", self._drafting_run)
                 self._drafting_run = 0
                 self._plain_run += 1
             else:
-                self._end_run("plain", self._plain_run)
-                self._plain_run = 0
+                self._end_plain_run()
                 self._drafting_run += 1
                 self._last_rows = r
                 if self._drafting_run >= PROBE_MIN:
@@ -525,7 +519,7 @@ class VerifyPlanner:
             ids_b,
             ml.tobytes(),
             self._explore(ids.size),
-            self._switch(ids.size),
+            self._skip_charge(ids.size),
         )
 
     def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
@@ -566,15 +560,15 @@ class VerifyPlanner:
         draft: np.ndarray | None = None,
         pool: np.ndarray | None = None,
         explore: bool = False,
-        switch: tuple[float, float, float] = _NO_SWITCH,
+        skip_charge: float = 0.0,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
         one, and stratified pool rows (POOL_ROWS) when the whole batch is drafted: its live top-K
         then picks among them all, which the pool's spread prices and the prior's mean does not.
         `explore`: the drafter's price at this R is untested, and the whole batch is drafted
-        while priced within EXPLORE_RATIO of the best plan. `switch`: what the plan charges the
-        switch it may cause (`_switch`)."""
+        while priced within EXPLORE_RATIO of the best plan. `skip_charge`: seconds a K = 0 step is
+        charged for the resume it causes (`_skip_charge`)."""
         lagged, hit = history.lagged_with_hits(ids, self.mode.lag, prior)
         tps = self.min_user_tps
         absent = ~hit
@@ -582,15 +576,14 @@ class VerifyPlanner:
         if pool is not None and pool.shape[0] >= POOL_MIN and np.count_nonzero(absent) >= 2:
             fill = lagged.copy()
             fill[absent] = stratified_rows(pool, int(np.count_nonzero(absent)))
-        skip_s, resume, resume_s = switch
         if draft is None:  # every K > 0 drafts every row
             surv = lagged if fill is None else fill
-            sps = _charged_sps(sps, ids.size, skip_s, resume_s)
+            sps = _charged_sps(sps, ids.size, skip_charge)
             k, tau = lagged_global_plan(surv, sps, max_len=max_len, min_user_tps=tps)
             return k, None, tau if k > 0 else math.nan
-        if skip_s or resume:  # draft[n]: the drafter of n rows; draft[0]: none (a plain step)
-            draft = draft * (1.0 + resume)
-            draft[0] = skip_s
+        if skip_charge:  # draft[n]: the drafter of n rows; draft[0]: none (a plain step)
+            draft = draft.copy()
+            draft[0] = skip_charge
         r = ids.size
         k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
         planned = _planned(theta, sps, r, k, float(draft[rows.size]))
@@ -675,27 +668,24 @@ class VerifyPlanner:
         self._resumes += 1
         self.resume_ratio += max(RESUME_RATE, 1.0 / self._resumes) * (excess - self.resume_ratio)
 
-    def _switch(self, r: int) -> tuple[float, float, float]:
-        """What a K search for R requests charges the switch it may cause (RESUME_RATE):
-        (seconds on K = 0, ratio on the drafter price of every K > 0, the same in seconds for a
-        whole-batch drafter)."""
+    def _skip_charge(self, r: int) -> float:
+        """Seconds a K search for R requests charges K = 0 in a drafting run: the resume it
+        causes later, on about the rows the last drafting step drafted, over the average plain
+        run (RESUME_RATE); 0 elsewhere."""
         rho = self.resume_ratio
-        if rho <= 0.0 or self.capacity is None or r <= 0:
-            return _NO_SWITCH
-        if self._drafting_run > 0:  # skipping now means resuming later, on about these rows
-            rows = min(max(self._last_rows, 1), r)
-            per = rho / self._run_len["plain"][0]
-            return (per * float(self.capacity.draft_seconds(rows)), 0.0, 0.0)
-        per = rho / self._run_len["drafting"][0]
-        return (0.0, per, per * float(self.capacity.draft_seconds(r)))
+        if rho <= 0.0 or self.capacity is None or r <= 0 or self._drafting_run <= 0:
+            return 0.0
+        rows = min(max(self._last_rows, 1), r)
+        return rho * float(self.capacity.draft_seconds(rows)) / self._plain_len[0]
 
-    def _end_run(self, kind: str, steps: int) -> None:
-        """A run of `steps` steps of one kind ended: fold its length into the average."""
+    def _end_plain_run(self) -> None:
+        """A K > 0 step: fold the plain run it ends into the average plain run."""
+        steps, self._plain_run = self._plain_run, 0
         if steps <= 0:
             return
-        mean, n = self._run_len[kind]
+        mean, n = self._plain_len
         mean += max(RESUME_RATE, 1.0 / (n + 1)) * (steps - mean)
-        self._run_len[kind] = (max(mean, 1.0), n + 1)
+        self._plain_len = (max(mean, 1.0), n + 1)
 
     def flush_records(self) -> None:
         """Feed the queued step records (FOLD_RECORDS) to the live estimator, in step order."""

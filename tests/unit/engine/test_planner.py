@@ -547,11 +547,11 @@ def test_a_resumed_drafter_teaches_the_switch_price_and_a_prompt_backlog_does_no
 
 
 @pytest.mark.parametrize("selective", [True, False])
-def test_the_switch_is_charged_to_the_choice_that_causes_it(selective: bool) -> None:
-    """With a learned resume excess, a K search in a plain run (here after two probes) charges it
-    to every drafting K, and one in a drafting run charges it to K = 0 (whose resume comes
-    later): a drafter priced a little under break-even drafts only once drafting, one priced a
-    little over it keeps drafting once drafting. Without the excess both follow the price."""
+def test_a_skip_in_a_drafting_run_is_charged_the_resume_it_causes(selective: bool) -> None:
+    """With a learned resume excess, a K search in a drafting run charges it to K = 0 (whose
+    resume comes later): a drafter priced a little over break-even keeps drafting once drafting.
+    Leaving a plain run (here after two probes) is not charged: a drafter a little under
+    break-even drafts either way. Without the excess both follow the price."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import VerifyPlanner
@@ -559,16 +559,15 @@ def test_the_switch_is_charged_to_the_choice_that_causes_it(selective: bool) -> 
     # B = 1 costs 10 ms, B = 2 … 64 20 ms; the one request is confident: K = 4 if it pays
     table = TableModel((1, 64), (0.01, 0.02))
     ids, max_len, logits = [7], np.array([4]), np.full((1, 4), 4.0)
-    probe = VerifyPlanner(
-        parse_schedule_mode("lagged"), 4, CapacityModel(table), None, False, 0.0, False
-    )
+    mode = parse_schedule_mode("lagged")
+    probe = VerifyPlanner(mode, 4, CapacityModel(table), None, False, 0.0, False)
     probe.plan(ids, logits, max_len, 10, 0)
     tau = 1.0 + float(probe.history.lagged(np.array(ids), 1, probe.prior).sum())
     even = tau / 100.0 - 0.02  # the drafter price at which K = 4 ties K = 0 (1 token / 10 ms)
 
     def k_of(draft_s: float, ratio: float, drafting_run: bool) -> int:
         cap = CapacityModel(table, draft=Curve((1.0, 64.0), (draft_s, draft_s)))
-        p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, selective)
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, selective)
         p.plan(ids, logits, max_len, 10, 0)  # two probes: a lag-2 snapshot, a plain run
         p.plan(ids, logits, max_len, 10, 0)
         p.resume_ratio = ratio
@@ -578,17 +577,14 @@ def test_the_switch_is_charged_to_the_choice_that_causes_it(selective: bool) -> 
 
     cheap, dear = 0.9 * even, 1.1 * even
     assert k_of(cheap, 0.0, False) == 4 and k_of(dear, 0.0, True) == 0  # no excess learned
-    assert k_of(cheap, 0.5, False) == 0  # resuming costs 1.5x: stay plain
-    assert k_of(cheap, 0.5, True) == 4
     assert k_of(dear, 0.5, True) == 4  # skipping now costs a resume later: keep drafting
+    assert k_of(cheap, 0.5, False) == 4  # leaving a plain run is not charged
     assert k_of(dear, 0.5, False) == 0
 
 
-def test_the_switch_charge_is_spread_over_the_run_it_would_start() -> None:
-    """One resume per run: a K = 0 step in a drafting run is charged the resume over the average
-    plain run, a K > 0 step in a plain run over the average drafting run (probes count as plain
-    steps), so a long plain stretch that beats drafting by less than a resume per step is still
-    entered."""
+def test_the_skip_charge_is_spread_over_the_average_plain_run() -> None:
+    """One resume per plain run: a K = 0 step in a drafting run is charged the resume over the
+    average length of the plain runs that ended so far (probes count as plain steps)."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import VerifyPlanner
@@ -597,14 +593,13 @@ def test_the_switch_charge_is_spread_over_the_run_it_would_start() -> None:
     p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True)
     ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
     p.resume_ratio = 0.6
+    assert p._skip_charge(1) == 0.0  # not in a drafting run
     for _ in range(9):
         p.skip(ids, max_len, 10)
     p.plan(ids, logits, max_len, 10, 0)  # a probe: the tenth plain step
-    for _ in range(6):
-        p.plan(ids, logits, max_len, 10, 3)
-    skip_s, ratio, _ = p._switch(1)  # in a drafting run, after one plain run of 10
-    assert ratio == 0.0 and skip_s == pytest.approx(0.6 * 0.004 / 10)
-    p.skip(ids, max_len, 10)  # ends a drafting run of 6
-    skip_s, ratio, whole_s = p._switch(1)
-    assert skip_s == 0.0 and ratio == pytest.approx(0.6 / 6)
-    assert whole_s == pytest.approx(0.6 / 6 * 0.004)
+    p.plan(ids, logits, max_len, 10, 3)
+    assert p._skip_charge(1) == pytest.approx(0.6 * 0.004 / 10)
+    p.skip(ids, max_len, 10)
+    assert p._skip_charge(1) == 0.0
+    p.plan(ids, logits, max_len, 10, 3)  # a plain run of 1 folds in: (10 + 1) / 2
+    assert p._skip_charge(1) == pytest.approx(0.6 * 0.004 / 5.5)
