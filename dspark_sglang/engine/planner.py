@@ -105,9 +105,9 @@ FOLD_RECORDS = 16
 # later), spread over the average plain run (one resume per run: charged whole to every step, a
 # plain stretch at high load whose steps each beat drafting by less than a resume would never be
 # entered). Leaving a plain run is not charged: a plain engine learns only from probes, and a
-# charge there deepened the K = 0 trap (sweep e14fdaa, c = 1: a 508-step plain run at R = 1 whose
-# probes accepted 2.6 of 7 drafts on average, where drafting made 0.31 tokens a ms and plain steps
-# 0.23, its lagged survival pessimistic at 2.8 planned tokens against 3.6 realised).
+# charge there can only lengthen K = 0 traps (sweep e14fdaa, c = 1: a 508-step plain run at
+# R = 1 whose probes accepted 2.6 of 7 drafts on average, where drafting made 0.31 tokens a ms
+# and plain steps 0.23, its lagged survival pessimistic at 2.8 planned tokens against 3.6).
 # Decisions only: predicted step times stay the engine's own. The steady time is the planner's
 # own average of steady drafter runs (RESUME_MIN_STEADY of them first), not the draft term: at a
 # load where the drafter rarely runs steadily that term is still the start-up profile's, and
@@ -143,6 +143,12 @@ def _planned(theta: float, sps: np.ndarray, r: int, k: int, draft_s: float) -> f
     if k <= 0 or not math.isfinite(theta):
         return math.nan
     return theta * (1.0 / float(sps[r + k]) + draft_s)
+
+
+def _fold(mean: float, n: int, x: float) -> tuple[float, int]:
+    """(mean, count) after folding x in: the running mean for the first 1 / RESUME_RATE, then an
+    EMA of weight RESUME_RATE."""
+    return mean + max(RESUME_RATE, 1.0 / (n + 1)) * (x - mean), n + 1
 
 
 def _charged_sps(sps: np.ndarray, r: int, skip_s: float) -> np.ndarray:
@@ -654,9 +660,7 @@ class VerifyPlanner:
         self.flush_records()
 
     def _learn_steady(self, rows: int, seconds: float) -> None:
-        mean, n = self._steady.get(r_bin(rows), (seconds, 0))
-        mean += max(RESUME_RATE, 1.0 / (n + 1)) * (seconds - mean)
-        self._steady[r_bin(rows)] = (mean, n + 1)
+        self._steady[r_bin(rows)] = _fold(*self._steady.get(r_bin(rows), (seconds, 0)), seconds)
 
     def _learn_resume(self, rows: int, seconds: float) -> None:
         """Fold a resumed drafter run's excess over steady runs of as many rows into
@@ -665,8 +669,7 @@ class VerifyPlanner:
         if n < RESUME_MIN_STEADY or not steady > 0.0:
             return
         excess = min(max(seconds / steady - 1.0, 0.0), RESUME_MAX)
-        self._resumes += 1
-        self.resume_ratio += max(RESUME_RATE, 1.0 / self._resumes) * (excess - self.resume_ratio)
+        self.resume_ratio, self._resumes = _fold(self.resume_ratio, self._resumes, excess)
 
     def _skip_charge(self, r: int) -> float:
         """Seconds a K search for R requests charges K = 0 in a drafting run: the resume it
@@ -683,9 +686,8 @@ class VerifyPlanner:
         steps, self._plain_run = self._plain_run, 0
         if steps <= 0:
             return
-        mean, n = self._plain_len
-        mean += max(RESUME_RATE, 1.0 / (n + 1)) * (steps - mean)
-        self._plain_len = (max(mean, 1.0), n + 1)
+        mean, n = _fold(*self._plain_len, float(steps))
+        self._plain_len = (max(mean, 1.0), n)
 
     def flush_records(self) -> None:
         """Feed the queued step records (FOLD_RECORDS) to the live estimator, in step order."""
