@@ -636,7 +636,7 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     # 1. What the profile does not hold, from calibration loads (not validated ones): how fast the
     # engine's forwards run against the profile's back-to-back ones, per batch size, and each
     # policy's host work per step. Every time is divided by the host speed index around its run
-    # (a forward by the index at its batch tokens, the rest by the index's median), so the fits
+    # (a forward by the index at its batch tokens, the rest by the B = 1 index), so the fits
     # hold at the profile's host speed; a validated run multiplies them by its own.
     cal_speed: list[float] = []
     cal: dict[str, list[np.ndarray]] = {"no-spec": [], "spec": [], "drafter": []}
