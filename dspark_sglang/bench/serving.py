@@ -319,16 +319,80 @@ def _decode_values(m: dict[str, list], name: str) -> list[float]:
     return [v for lab, v in m.get(name, []) if lab.get("worker", "").startswith("decode")]
 
 
+# Heartbeats each decode worker must send after a moment before a scrape counts every step
+# taken before it: one may have been built before the moment and arrive after it.
+SETTLE_BEATS = 2
+SETTLE_POLL_S, SETTLE_TIMEOUT_S = 0.05, 10.0
+_SPEC = (
+    "rounds",
+    "committed_tokens",
+    "verified_drafts",
+    "accepted_drafts",
+    "verify_tokens",
+    "steps",
+)
+
+
+def _worker_counts(m: dict[str, list] | None) -> dict[str, dict[str, Any]]:
+    """Each decode worker's speculation counters in a scrape (dspark_spec_*_total, with the
+    heartbeat count and acceptance per position); {} from a server without them."""
+    out: dict[str, dict[str, Any]] = {}
+    if m is None:
+        return out
+    for lab, v in m.get("dspark_worker_heartbeats_total", []):
+        if lab.get("worker", "").startswith("decode"):
+            out[lab["worker"]] = {"beats": v, "at_risk": {}, "passed": {}}
+    for key in _SPEC:
+        for lab, v in m.get(f"dspark_spec_{key}_total", []):
+            if lab.get("worker") in out:
+                out[lab["worker"]][key] = v
+    for key in ("at_risk", "passed"):
+        for lab, v in m.get(f"dspark_spec_{key}_total", []):
+            if lab.get("worker") in out:
+                out[lab["worker"]][key][int(lab["position"])] = v
+    return {w: c for w, c in out.items() if all(k in c for k in _SPEC)}
+
+
+def run_counts(
+    first: dict[str, list] | None, last: dict[str, list] | None
+) -> dict[str, Any] | None:
+    """The decode workers' speculation counters over a run: `last` minus `first`, summed over
+    workers. None when either scrape lacks them, a worker is missing from one, or a counter went
+    back (the worker restarted in between: its counts since boot no longer cover the run)."""
+    a, b = _worker_counts(first), _worker_counts(last)
+    if not a or a.keys() != b.keys():
+        return None
+    out: dict[str, Any] = {k: 0.0 for k in _SPEC} | {"at_risk": {}, "passed": {}}
+    for w in a:
+        if b[w]["beats"] < a[w]["beats"]:
+            return None
+        for k in _SPEC:
+            d = b[w][k] - a[w][k]
+            if d < 0:
+                return None
+            out[k] += d
+        for k in ("at_risk", "passed"):
+            for pos, v in b[w][k].items():
+                d = v - a[w][k].get(pos, 0.0)
+                if d < 0:
+                    return None
+                out[k][pos] = out[k].get(pos, 0.0) + d
+    return out
+
+
 class ServerMonitor:
     """Polls /metrics while the benchmark runs. Windowed heartbeat means (budget K, step time)
-    are averaged over busy windows; tau, acceptance per position and verify tokens per step
-    are the decode workers' cumulative values at the end (since the worker started)."""
+    are averaged over busy windows. Tau, acceptance per position and verify tokens come from
+    the decode workers' counters, read once the workers settled before the measured requests
+    and again after them: exact for the run (`server_counts` "run"). A server without the
+    counters gives its cumulative ratios since the worker started ("cumulative")."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str, interval: float) -> None:
         self.client, self.url, self.interval = client, f"{base_url}/metrics", interval
         self.capacity_url = f"{base_url}/capacity"
         self.samples: list[dict[str, float]] = []
         self.last: dict[str, list] | None = None
+        self.first: dict[str, list] | None = None  # the settled scrape before the run
         self.available = True
         self._task: asyncio.Task[None] | None = None
 
@@ -357,7 +421,28 @@ class ServerMonitor:
                     )
             await asyncio.sleep(self.interval)
 
-    def start(self) -> None:
+    async def settled(self) -> dict[str, list] | None:
+        """A scrape whose counters include every step taken before this call: each decode
+        worker has sent SETTLE_BEATS heartbeats since (or restarted, which run_counts rejects).
+        A server without the counters is scraped once; one whose heartbeats stall gives the
+        last scrape after SETTLE_TIMEOUT_S."""
+        m = await self.scrape()
+        start = {w: c["beats"] for w, c in _worker_counts(m).items()}
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while start and self.available and time.monotonic() < deadline:
+            await asyncio.sleep(SETTLE_POLL_S)
+            now = await self.scrape()
+            if now is None:
+                break
+            m = now
+            beats = {w: c["beats"] for w, c in _worker_counts(m).items()}
+            if all(w in beats and not 0 <= beats[w] - b < SETTLE_BEATS for w, b in start.items()):
+                break
+        return m
+
+    async def start(self) -> None:
+        """The baseline counters (after the warm-up), then the polling loop."""
+        self.first = await self.settled()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> dict[str, Any]:
@@ -365,8 +450,8 @@ class ServerMonitor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        m = await self.scrape() if self.available else None
-        return server_summary(m or self.last, self.samples) | {
+        m = await self.settled() if self.available else None
+        return server_summary(m or self.last, self.samples, self.first) | {
             "server_capacity": await self.capacity() if self.available else None
         }
 
@@ -388,7 +473,14 @@ class ServerMonitor:
             return None
 
 
-def server_summary(m: dict[str, list] | None, samples: list[dict[str, float]]) -> dict[str, Any]:
+def server_summary(
+    m: dict[str, list] | None,
+    samples: list[dict[str, float]],
+    first: dict[str, list] | None = None,
+) -> dict[str, Any]:
+    """The server's DSpark signals from the last scrape `m` and the busy windows; with the
+    settled scrape `first` from before the run, the counters' difference replaces the
+    cumulative and windowed estimates (`server_counts`: "run", else "cumulative")."""
     out: dict[str, Any] = {
         "server_accept_length": None,
         "per_position_acceptance": None,
@@ -397,10 +489,13 @@ def server_summary(m: dict[str, list] | None, samples: list[dict[str, float]]) -
         "mean_running_requests": None,
         "verify_tokens_per_request": None,
         "server_step_ms": None,
+        "server_counts": None,
+        "server_run_counts": None,
         "server_capacity": None,
     }
     if m is None:
         return out
+    out["server_counts"] = "cumulative"
     tau = _decode_values(m, "dspark_worker_accept_length")
     vt = _decode_values(m, "dspark_verify_tokens_per_step")
     out["server_accept_length"] = float(np.mean(tau)) if tau and max(tau) > 0 else None
@@ -419,6 +514,20 @@ def server_summary(m: dict[str, list] | None, samples: list[dict[str, float]]) -
         out["mean_running_requests"] = float(np.mean([s["running"] / s["n"] for s in busy]))
         out["verify_tokens_per_request"] = float(np.mean([1 + s["k"] / s["running"] for s in busy]))
         out["server_step_ms"] = float(np.mean([s["step_s"] for s in busy]) * 1e3)
+    run = run_counts(first, m)
+    if run is not None and run["steps"] > 0:  # a run without speculative steps keeps the above
+        rounds, steps = run["rounds"], run["steps"]
+        out["server_counts"] = "run"
+        out["server_run_counts"] = {k: int(run[k]) for k in _SPEC}
+        out["server_accept_length"] = run["committed_tokens"] / rounds if rounds else None
+        out["verify_tokens_per_step"] = run["verify_tokens"] / steps
+        out["mean_verify_budget_k"] = run["verified_drafts"] / steps
+        out["verify_tokens_per_request"] = run["verify_tokens"] / rounds if rounds else None
+        risk, passed = run["at_risk"], run["passed"]
+        out["per_position_acceptance"] = [
+            passed.get(k, 0.0) / risk[k] if risk.get(k) else None
+            for k in range(1, max(risk, default=0) + 1)
+        ] or None
     return out
 
 
@@ -535,6 +644,9 @@ def compute_metrics(
     rounds = sum(o.spec_rounds for o in ok)
     committed = sum(max(o.output_len - 1, 0) for o in ok if o.spec_rounds)
     res["accept_length"] = committed / rounds if rounds else 1.0
+    # the responses' own counts, which the server's run counters (server_run_counts) must match
+    res["spec_rounds"] = rounds
+    res["spec_accepted_drafts"] = sum(o.spec_accepted for o in ok)
     if closed_loop:
         res |= steady_throughput(outcomes, closed_loop)
     if slo:
@@ -637,7 +749,7 @@ async def benchmark(
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         monitor = ServerMonitor(client, base, args.metrics_interval)
         if not args.no_server_metrics:
-            monitor.start()
+            await monitor.start()
         t_bench = time.perf_counter()
 
         async def one(p: Prompt) -> Outcome:

@@ -26,7 +26,7 @@ import yaml
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
@@ -295,6 +295,17 @@ _WORKER_GAUGES = {  # dspark_<name>{worker} <- heartbeat field
     "verify_tokens_per_step": "verify_tokens_per_step",
     "worker_accept_length": "tau",
 }
+# dspark_spec_<name>_total{worker} <- heartbeat SpecCounts field: counters since the worker
+# booted, which a client differences between two scrapes (bench.serving) for exact per-run
+# accept length, acceptance per position and verify tokens
+_SPEC_COUNTERS = {
+    "rounds": ("rounds", "Decode verify rounds (one per request per speculative step)"),
+    "committed_tokens": ("committed", "Tokens committed by verify rounds"),
+    "verified_drafts": ("verified", "Draft tokens sent to the target"),
+    "accepted_drafts": ("accepted", "Draft tokens accepted"),
+    "verify_tokens": ("verify_tokens", "Target rows of verify sequences (1 + l per round)"),
+    "steps": ("steps", "Speculative steps"),
+}
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -326,7 +337,7 @@ class Metrics:
         self.router: Router | None = None
         r.register(self)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         r = self.router
         yield GaugeMetricFamily("dspark_inflight_requests", "Requests in the router", len(r.active))
         yield GaugeMetricFamily(
@@ -340,6 +351,12 @@ class Metrics:
             "Conditional acceptance per draft position",
             ("worker", "position"),
         )
+        count = lambda name, doc, labels=("worker",): CounterMetricFamily(name, doc, labels=labels)
+        beats = count("dspark_worker_heartbeats", "Heartbeats since the worker booted")
+        spec = {k: count(f"dspark_spec_{k}", doc) for k, (_, doc) in _SPEC_COUNTERS.items()}
+        pos = ("worker", "position")
+        at_risk = count("dspark_spec_at_risk", "Rounds that verified a position", pos)
+        passed = count("dspark_spec_passed", "Rounds that verified and accepted a position", pos)
         for w in r.workers.values():
             up.add_metric([w.name], float(w.accepted))
             for k, f in _WORKER_GAUGES.items():
@@ -348,7 +365,17 @@ class Metrics:
             for i, a in enumerate(w.hb.acceptance if w.hb else ()):
                 if a >= 0:
                     acc.add_metric([w.name, str(i + 1)], a)
-        yield from (up, *gauges.values(), acc)
+            hb = w.hb
+            if hb is None or hb.counts is None:
+                continue
+            c = hb.counts
+            beats.add_metric([w.name], hb.beats)
+            for k, (f, _) in _SPEC_COUNTERS.items():
+                spec[k].add_metric([w.name], getattr(c, f))
+            for i, (n, p) in enumerate(zip(c.at_risk, c.passed, strict=True)):
+                at_risk.add_metric([w.name, str(i + 1)], n)
+                passed.add_metric([w.name, str(i + 1)], p)
+        yield from (up, *gauges.values(), acc, beats, *spec.values(), at_risk, passed)
 
     def observe_request(self, job: Job, d: m.Delta) -> None:
         now = time.monotonic()

@@ -96,6 +96,21 @@ class Abort(msgspec.Struct, tag=True):
     uid: int
 
 
+class SpecCounts(msgspec.Struct):
+    """A worker's speculation counters since it booted (engine SpecStats). The heartbeat's tau
+    and acceptance are ratios of these, so they pool every load the worker has served; a client
+    that differences two scrapes gets exact values for what it sent in between."""
+
+    rounds: int = 0  # decode verify rounds, one per request per speculative step
+    committed: int = 0  # tokens those rounds committed (accept length = committed / rounds)
+    verified: int = 0  # drafts sent to the target (the K of every step, summed)
+    accepted: int = 0  # drafts accepted
+    verify_tokens: int = 0  # target rows of the verify sequences: sum of 1 + l over rounds
+    steps: int = 0  # speculative steps (lagged K = 0 steps included)
+    at_risk: list[int] = []  # per draft position: rounds that verified it, earlier ones accepted
+    passed: list[int] = []  # ... and accepted it too
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """worker -> router, every heartbeat_interval_s; a new `boot` is a restarted process."""
 
@@ -118,6 +133,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     # The decode worker's live capacity model when its version changed since the last beat:
     # {"version", "observed", "drift_events", "mape", "profile"} (GET /capacity).
     capacity: dict[str, Any] | None = None
+    beats: int = 0  # heartbeats sent since boot, this one included
+    counts: SpecCounts | None = None
 
 
 class Refuse(msgspec.Struct, tag=True):

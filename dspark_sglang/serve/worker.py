@@ -24,6 +24,7 @@ import torch
 from dspark_sglang.capacity_profile import live_profile
 from dspark_sglang.config import Config, ConfigError
 from dspark_sglang.engine.engine import LLMEngine
+from dspark_sglang.engine.speculative import SpecStats
 from dspark_sglang.serve import messages as m
 from dspark_sglang.serve.transport import Receiver, Security, Sender
 from dspark_sglang.types import StepRecord
@@ -54,6 +55,7 @@ class WorkerLink:
         self.inbox = Receiver(addrs[index], self.sec)
         self.router = Sender(cfg.serve.api_addr, self.sec)
         self.boot = secrets.randbits(62)
+        self._beats = 0
         self.hand = self._handshake(cfg)
         self._next_beat = 0.0
         self._capacity_sent = (-1, 0.0)  # (version, monotonic time) last sent to the router
@@ -111,6 +113,7 @@ class WorkerLink:
         self._next_beat = now + self.cfg.heartbeat_interval_s
         e, recs = self.engine, self.records
         st = e.stats.as_dict()
+        self._beats += 1
         hb = m.Heartbeat(
             worker=self.name,
             boot=self.boot,
@@ -123,6 +126,8 @@ class WorkerLink:
             verify_tokens_per_step=st["verify_tokens_per_step"],
             acceptance=[-1.0 if a is None else a for a in st["conditional_acceptance"]],
             capacity=self._capacity(),
+            beats=self._beats,
+            counts=_counts(e.stats),
             **_step_summary(recs),
         )
         recs.clear()
@@ -186,6 +191,19 @@ def _open_step_log(folder: str | None, name: str) -> IO[bytes] | None:
         return (path / f"{name}.steps.jsonl").open("ab")
     except OSError as e:
         raise ConfigError(f"--step-log {folder}: {e}") from e
+
+
+def _counts(st: SpecStats) -> m.SpecCounts:
+    return m.SpecCounts(
+        rounds=st.rounds,
+        committed=st.accept_length_sum,
+        verified=st.verified,
+        accepted=st.accepted,
+        verify_tokens=st.verify_tokens,
+        steps=st.steps,
+        at_risk=list(st.at_risk),
+        passed=list(st.passed),
+    )
 
 
 def _step_summary(recs: list[StepRecord]) -> dict[str, Any]:

@@ -315,3 +315,28 @@ def test_a_step_log_folder_that_cannot_be_made_is_a_clear_error(
         assert "--step-log" in c.log("decode0")
     finally:
         c.stop()
+
+
+def test_bench_serving_reads_exact_per_run_counters(cluster: Cluster) -> None:
+    """bench.serving's server-side signals are the workers' counters over the run alone: the
+    rounds and accepted drafts the decode worker counted equal the sums the run's responses
+    report per request, exactly, with earlier traffic (this module's other tests, a request
+    just before, the warm-up) left out and the run's last steps in."""
+    from dspark_sglang.bench import serving
+
+    post(cluster, "/v1/completions", {"prompt": "before", "max_tokens": 30, "temperature": 0})
+    argv = ["--base-url", cluster.url, "--num-prompts", "6", "--max-concurrency", "2",
+            "--output-len", "20", "--ignore-eos", "--disable-tqdm",
+            "--metrics-interval", "0.05"]  # fmt: skip
+    rec = serving.run(serving.parse_args(argv))
+    assert rec["completed"] == 6 and rec["server_counts"] == "run"
+    run = rec["server_run_counts"]
+    assert run["rounds"] == rec["spec_rounds"] > 0
+    assert run["accepted_drafts"] == rec["spec_accepted_drafts"]
+    # a round commits its accepted drafts and one token of the target's (EOS ignored)
+    assert run["committed_tokens"] == run["rounds"] + run["accepted_drafts"]
+    assert rec["server_accept_length"] == pytest.approx(run["committed_tokens"] / run["rounds"])
+    acc = rec["per_position_acceptance"]
+    assert acc and all(a is None or 0.0 <= a <= 1.0 for a in acc)
+    # verify-all: every round verifies the drafter's gamma drafts (fewer near max_tokens)
+    assert 1.0 < rec["verify_tokens_per_request"] <= 1 + len(acc)

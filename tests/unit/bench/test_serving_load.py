@@ -228,9 +228,73 @@ def test_jsonl_schema_against_a_fake_server(tmp_path: Path) -> None:
     assert row["per_position_acceptance"] == [0.9, 0.8]
     assert row["verify_tokens_per_request"] == pytest.approx(1 + 12 / 4)
     assert row["server_accept_length"] == 3.5
+    assert row["server_counts"] == "cumulative"  # a server without counters: its ratios
     assert row["server_capacity"] == {
         "decode0": {"version": 3, "observed": 96, "drift_events": 0, "mape": 0.08,
                     "model": CAPACITY["profile"]["model"]}
     }  # fmt: skip
     assert rec["model_id"] == "tiny" and rec2["completed"] == 6
     assert "Serving Benchmark Result" in serving.format_summary(rec)
+
+
+class _CountingServer:
+    """A fake server whose decode worker's counters since boot (dspark_spec_*_total) grow with
+    every completion it serves and whose heartbeat count grows with every scrape. It starts
+    with 100 earlier rounds at other ratios, so cumulative values differ from the run's."""
+
+    def __init__(self) -> None:
+        self.done, self.beats = 0, 0
+
+    def metrics(self) -> str:
+        self.beats += 1
+        n = self.done
+        c = {
+            "rounds": 100 + 2 * n,
+            "committed_tokens": 120 + 5 * n,
+            "verified_drafts": 700 + 8 * n,
+            "accepted_drafts": 20 + 3 * n,
+            "verify_tokens": 800 + 10 * n,
+            "steps": 100 + 2 * n,
+        }
+        lines = [f'dspark_worker_heartbeats_total{{worker="decode0"}} {self.beats}']
+        lines += [f'dspark_spec_{k}_total{{worker="decode0"}} {v}' for k, v in c.items()]
+        for pos, (risk, passed) in enumerate([(100 + 2 * n, 10 + 2 * n), (10 + 2 * n, 1 + n)], 1):
+            lines.append(f'dspark_spec_at_risk_total{{position="{pos}",worker="decode0"}} {risk}')
+            lines.append(f'dspark_spec_passed_total{{position="{pos}",worker="decode0"}} {passed}')
+        return METRICS + "\n".join(lines) + "\n"
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=self.metrics())
+        if request.url.path.startswith("/v1/completions"):
+            self.done += 1
+        return _fake_server(request)
+
+
+def test_server_signals_are_the_counters_difference_over_the_run() -> None:
+    """Accept length, acceptance per position and verify tokens come from the counters read
+    after the warm-up and after the run: the warm-up's and earlier traffic's rounds drop out."""
+    argv = ["--num-prompts", "6", "--max-concurrency", "2", "--output-len", "5",
+            "--warmup-requests", "2", "--disable-tqdm", "--metrics-interval", "0.01"]  # fmt: skip
+    fake = _CountingServer()
+    rec = serving.run(serving.parse_args(argv), transport=httpx.MockTransport(fake))
+    assert fake.done == 8 and rec["completed"] == 6
+    assert rec["server_counts"] == "run"
+    assert rec["server_accept_length"] == pytest.approx(5 / 2)  # cumulative: 160 / 116
+    assert rec["per_position_acceptance"] == pytest.approx([1.0, 0.5])
+    assert rec["verify_tokens_per_step"] == pytest.approx(10 / 2)
+    assert rec["mean_verify_budget_k"] == pytest.approx(8 / 2)
+    assert rec["verify_tokens_per_request"] == pytest.approx(10 / 2)
+
+
+def test_run_counts_refuse_a_restarted_worker() -> None:
+    text = lambda beats, rounds: (
+        f'dspark_worker_heartbeats_total{{worker="decode0"}} {beats}\n'
+        + "".join(f'dspark_spec_{k}_total{{worker="decode0"}} {rounds}\n' for k in serving._SPEC)
+    )
+    a, b = serving.parse_metrics(text(9, 50)), serving.parse_metrics(text(12, 70))
+    assert serving.run_counts(a, b)["rounds"] == 20
+    assert serving.run_counts(a, serving.parse_metrics(text(2, 70))) is None  # rebooted
+    assert serving.run_counts(a, serving.parse_metrics(text(12, 40))) is None  # counts went back
+    assert serving.run_counts(None, b) is None
+    assert serving.run_counts(serving.parse_metrics(METRICS), b) is None  # no counters there

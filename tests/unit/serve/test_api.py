@@ -154,3 +154,31 @@ def test_capacity_serves_each_decode_workers_live_model(client: TestClient) -> N
     r = client.get("/capacity?format=csv", headers=AUTH)
     assert r.status_code == 400 and "format" in r.json()["error"]["message"]
     assert client.get("/capacity").status_code == 401
+
+
+def test_metrics_export_each_workers_speculation_counters(client: TestClient) -> None:
+    """Every heartbeat's counters since boot become dspark_spec_*_total{worker} counters (and
+    per position): the series a load generator differences for exact per-run acceptance."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dspark_sglang.serve import messages as m
+
+    w = client.app.state.api.router.workers["decode0"]
+    counts = m.SpecCounts(9, 30, 40, 21, 49, 3, [9, 7, 0], [7, 5, 0])
+    hand = m.Handshake(1, "m", 2, 2, 16, 16, "float32", (), 0, 0)
+    w.hb = m.Heartbeat("decode0", 1, hand, 3, 0, 5, 8, beats=4, counts=counts)
+    got = {
+        (s.name, s.labels.get("worker"), s.labels.get("position")): s.value
+        for fam in text_string_to_metric_families(client.get("/metrics", headers=AUTH).text)
+        for s in fam.samples
+    }
+    assert got[("dspark_worker_heartbeats_total", "decode0", None)] == 4
+    assert got[("dspark_spec_rounds_total", "decode0", None)] == 9
+    assert got[("dspark_spec_committed_tokens_total", "decode0", None)] == 30
+    assert got[("dspark_spec_verified_drafts_total", "decode0", None)] == 40
+    assert got[("dspark_spec_accepted_drafts_total", "decode0", None)] == 21
+    assert got[("dspark_spec_verify_tokens_total", "decode0", None)] == 49
+    assert got[("dspark_spec_steps_total", "decode0", None)] == 3
+    assert got[("dspark_spec_at_risk_total", "decode0", "2")] == 7
+    assert got[("dspark_spec_passed_total", "decode0", "1")] == 7
+    assert ("dspark_spec_rounds_total", "prefill0", None) not in got  # no heartbeat yet

@@ -42,6 +42,17 @@ PARAMS = SamplingParams(temperature=0.5, seed=3, max_tokens=9, stop=("x", "yz"))
             capacity_mape=0.1,
             fallbacks={"stale": 2},
         ),
+        m.Heartbeat(
+            "decode0",
+            98,
+            HAND,
+            4,
+            0,
+            3,
+            4,
+            beats=12,
+            counts=m.SpecCounts(9, 30, 40, 21, 49, 3, [9, 7], [7, 5]),
+        ),
         m.Refuse("handshake mismatch: page_size"),
     ],
 )
