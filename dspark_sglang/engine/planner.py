@@ -488,6 +488,24 @@ class VerifyPlanner:
             planned_tokens=planned,
         )
 
+    def state(self) -> dict[str, object]:
+        """What the planner has learned so far (GET /capacity): the acceptance prior, the two
+        live confidence corrections, the switch price and the probe gap. Two deployments of one
+        schedule that decide differently differ here (a served sweep's twin lagged deployments:
+        one drafted on 99.4 % of its R = 1 steps, the other on 83.7 %)."""
+        return {
+            "mode": self.mode.name,
+            "prior_rates": list(self.prior.rates),
+            "prior_trials": list(self.prior.trials),
+            "confidence_ratios": self.correction.ratios.tolist(),
+            "survival_ratios": self.surv_correction.ratios.tolist(),
+            "resume_ratio": self.resume_ratio,
+            "resumes": self._resumes,
+            "probe_every": self._probe_every,
+            "steps_since_draft": self._since_draft,
+            "fallbacks": dict(self.fallbacks),
+        }
+
     def _survival(self, raw: np.ndarray) -> np.ndarray:
         """Survival rows from raw confidences, under both live corrections (capacity-driven
         modes; the others read the head as it is)."""

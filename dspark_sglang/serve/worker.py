@@ -175,6 +175,7 @@ class WorkerLink:
             "drift_events": est.drift_events if est is not None else 0,
             "mape": mape if math.isfinite(mape) else -1.0,
             "profile": profile,
+            "planner": planner.state(),
         }
 
 

@@ -287,6 +287,10 @@ def test_default_lagged_scheduler_serves_greedy_identically(model_pair: tuple[Pa
         # GET /capacity: the decode worker's live model, a profile --capacity-profile loads
         cap = httpx.get(f"{c.url}/capacity", timeout=10).json()["workers"]
         assert list(cap) == ["decode0"] and cap["decode0"]["observed"] >= 0
+        state = cap["decode0"]["planner"]  # and what its planner learned
+        assert state["mode"] == "lagged" and len(state["prior_rates"]) == len(
+            state["survival_ratios"]
+        )
         text = httpx.get(f"{c.url}/capacity?format=profile", timeout=10).text
         (logs / "live.yaml").write_text(text)
         assert load_profile(logs / "live.yaml").gamma == cap["decode0"]["profile"]["gamma"]

@@ -603,3 +603,28 @@ def test_the_skip_charge_is_spread_over_the_average_plain_run() -> None:
     assert p._skip_charge(1) == 0.0
     p.plan(ids, logits, max_len, 10, 3)  # a plain run of 1 folds in: (10 + 1) / 2
     assert p._skip_charge(1) == pytest.approx(0.6 * 0.004 / 5.5)
+
+
+def test_the_planner_state_reports_what_it_learned() -> None:
+    """state() (GET /capacity's `planner`): the prior, both corrections, the switch price and
+    the probe gap as they stand, JSON-ready, moving with what the planner observes."""
+    import json
+
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import PROBE_MIN, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)), draft=Curve((1.0, 64.0), (0.004, 0.1)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True)
+    before = p.state()
+    assert before["mode"] == "lagged" and before["prior_rates"] == [0.5] * 4
+    assert before["confidence_ratios"] == [1.0] * 4 and before["survival_ratios"] == [1.0] * 4
+    assert before["probe_every"] == PROBE_MIN and before["resume_ratio"] == 0.0
+    ids, max_len = [7], np.array([4])
+    p.plan(ids, np.full((1, 4), -2.0), max_len, 10, 4)  # confidences ~0.12, all four accepted
+    rec = StepRecord(0, 1, 5, 0, 1, 10, 0.03, draft_seconds=0.002, num_draft_reqs=1)
+    p.observe(np.array([4]), np.array([4]), rec, ids)
+    after = json.loads(json.dumps(p.state()))
+    assert all(a > 0.5 for a in after["prior_rates"]) and after["prior_trials"] == [1.0] * 4
+    assert all(r > 1.0 for r in after["confidence_ratios"])

@@ -21,7 +21,9 @@ def test_the_capacity_model_is_sent_once_per_version_and_again_after_a_while(
     clock = [100.0]
     monkeypatch.setattr(w.time, "monotonic", lambda: clock[0])
     planner = SimpleNamespace(
-        capacity=CapacityModel(TableModel((1, 8), (0.01, 0.03))), estimator=None
+        capacity=CapacityModel(TableModel((1, 8), (0.01, 0.03))),
+        estimator=None,
+        state=lambda: {"probe_every": 8},
     )
     engine = SimpleNamespace(planner=planner, runner=SimpleNamespace(device="cpu"), gamma=4)
     link = SimpleNamespace(
@@ -35,6 +37,7 @@ def test_the_capacity_model_is_sent_once_per_version_and_again_after_a_while(
     first = sent()
     assert first is not None and first["version"] == 0 and first["mape"] == -1.0
     assert first["profile"]["model"] == planner.capacity.to_dict()
+    assert first["planner"] == {"probe_every": 8}  # what the planner learned rides along
     clock[0] += 1.0
     assert sent() is None  # same version, soon after
     planner.capacity = dataclasses.replace(planner.capacity, version=1)
