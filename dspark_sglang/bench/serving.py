@@ -341,7 +341,10 @@ def _worker_counts(m: dict[str, list] | None) -> dict[str, dict[str, Any]]:
         return out
     for lab, v in m.get("dspark_worker_heartbeats_total", []):
         if lab.get("worker", "").startswith("decode"):
-            out[lab["worker"]] = {"beats": v, "at_risk": {}, "passed": {}}
+            out[lab["worker"]] = {"beats": v, "boot": None, "at_risk": {}, "passed": {}}
+    for lab, v in m.get("dspark_worker_boot", []):
+        if lab.get("worker") in out:
+            out[lab["worker"]]["boot"] = v
     for key in _SPEC:
         for lab, v in m.get(f"dspark_spec_{key}_total", []):
             if lab.get("worker") in out:
@@ -364,7 +367,7 @@ def run_counts(
         return None
     out: dict[str, Any] = {k: 0.0 for k in _SPEC} | {"at_risk": {}, "passed": {}}
     for w in a:
-        if b[w]["beats"] < a[w]["beats"]:
+        if b[w]["beats"] < a[w]["beats"] or b[w]["boot"] != a[w]["boot"]:
             return None
         for k in _SPEC:
             d = b[w][k] - a[w][k]

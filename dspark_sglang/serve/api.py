@@ -353,6 +353,8 @@ class Metrics:
         )
         count = lambda name, doc, labels=("worker",): CounterMetricFamily(name, doc, labels=labels)
         beats = count("dspark_worker_heartbeats", "Heartbeats since the worker booted")
+        # the worker's random boot id: a change between two scrapes means the counters restarted
+        boot = fam("dspark_worker_boot", "Boot id of the worker process (changes on restart)")
         spec = {k: count(f"dspark_spec_{k}", doc) for k, (_, doc) in _SPEC_COUNTERS.items()}
         pos = ("worker", "position")
         at_risk = count("dspark_spec_at_risk", "Rounds that verified a position", pos)
@@ -370,12 +372,13 @@ class Metrics:
                 continue
             c = hb.counts
             beats.add_metric([w.name], hb.beats)
+            boot.add_metric([w.name], float(hb.boot))
             for k, (f, _) in _SPEC_COUNTERS.items():
                 spec[k].add_metric([w.name], getattr(c, f))
             for i, (n, p) in enumerate(zip(c.at_risk, c.passed, strict=True)):
                 at_risk.add_metric([w.name, str(i + 1)], n)
                 passed.add_metric([w.name, str(i + 1)], p)
-        yield from (up, *gauges.values(), acc, beats, *spec.values(), at_risk, passed)
+        yield from (up, *gauges.values(), acc, beats, boot, *spec.values(), at_risk, passed)
 
     def observe_request(self, job: Job, d: m.Delta) -> None:
         now = time.monotonic()

@@ -288,13 +288,15 @@ def test_server_signals_are_the_counters_difference_over_the_run() -> None:
 
 
 def test_run_counts_refuse_a_restarted_worker() -> None:
-    text = lambda beats, rounds: (
+    text = lambda beats, rounds, boot=7: (
         f'dspark_worker_heartbeats_total{{worker="decode0"}} {beats}\n'
+        f'dspark_worker_boot{{worker="decode0"}} {boot}\n'
         + "".join(f'dspark_spec_{k}_total{{worker="decode0"}} {rounds}\n' for k in serving._SPEC)
     )
     a, b = serving.parse_metrics(text(9, 50)), serving.parse_metrics(text(12, 70))
     assert serving.run_counts(a, b)["rounds"] == 20
     assert serving.run_counts(a, serving.parse_metrics(text(2, 70))) is None  # rebooted
+    assert serving.run_counts(a, serving.parse_metrics(text(90, 70, boot=8))) is None  # rebooted
     assert serving.run_counts(a, serving.parse_metrics(text(12, 40))) is None  # counts went back
     assert serving.run_counts(None, b) is None
     assert serving.run_counts(serving.parse_metrics(METRICS), b) is None  # no counters there

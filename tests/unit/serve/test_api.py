@@ -173,6 +173,7 @@ def test_metrics_export_each_workers_speculation_counters(client: TestClient) ->
         for s in fam.samples
     }
     assert got[("dspark_worker_heartbeats_total", "decode0", None)] == 4
+    assert got[("dspark_worker_boot", "decode0", None)] == 1
     assert got[("dspark_spec_rounds_total", "decode0", None)] == 9
     assert got[("dspark_spec_committed_tokens_total", "decode0", None)] == 30
     assert got[("dspark_spec_verified_drafts_total", "decode0", None)] == 40
