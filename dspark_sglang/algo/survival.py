@@ -6,7 +6,7 @@ from the package, and never engine, models, torch.cuda or a clock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -76,6 +76,8 @@ class AcceptancePrior:
     alpha: float = 0.002  # EMA weight of one (position, request) trial: memory of ~500 trials
     trials: tuple[float, ...] = ()  # trials folded in so far per position (() = none)
     pseudo: float = 4.0  # trials the starting rates are worth
+    # survival, computed once: the lagged planner reads it for every request without a snapshot
+    _survival: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.rates or not all(0.0 <= x <= 1.0 for x in self.rates):
@@ -86,6 +88,9 @@ class AcceptancePrior:
             raise ValueError(f"prior trials {len(self.trials)} != rates {len(self.rates)}")
         if self.pseudo < 0.0:
             raise ValueError(f"prior pseudo must be >= 0, got {self.pseudo}")
+        surv = np.cumprod(np.asarray(self.rates, dtype=np.float64))
+        surv.setflags(write=False)
+        object.__setattr__(self, "_survival", surv)
 
     @classmethod
     def uniform(
@@ -99,8 +104,8 @@ class AcceptancePrior:
 
     @property
     def survival(self) -> np.ndarray:
-        """Prior survival row [gamma] = cumulative product of the conditional rates."""
-        return np.cumprod(np.asarray(self.rates, dtype=np.float64))
+        """Prior survival row [gamma] = cumulative product of the conditional rates (read-only)."""
+        return self._survival
 
     def observe(self, verify_lens: np.ndarray, accepted_lens: np.ndarray) -> AcceptancePrior:
         """New prior after one step. Position k was a conditional trial for request r iff it was
@@ -178,16 +183,19 @@ class ConfidenceCorrection:
     obs: tuple[float, ...]
     alpha: float = 0.002
     weight: float = 4.0  # pseudo-trials pulling ρ_k toward the global ratio (and g toward 1)
+    # ρ, computed once: the planner applies a correction several times a step (read-only)
+    ratios: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pred, obs = np.asarray(self.pred), np.asarray(self.obs)
+        g = (obs.sum() + self.weight) / (pred.sum() + self.weight)
+        ratios = (obs + self.weight * g) / (pred + self.weight)
+        ratios.setflags(write=False)
+        object.__setattr__(self, "ratios", ratios)
 
     @classmethod
     def identity(cls, gamma: int, alpha: float = 0.002) -> ConfidenceCorrection:
         return cls((0.0,) * gamma, (0.0,) * gamma, alpha)
-
-    @property
-    def ratios(self) -> np.ndarray:
-        pred, obs = np.asarray(self.pred), np.asarray(self.obs)
-        g = (obs.sum() + self.weight) / (pred.sum() + self.weight)
-        return (obs + self.weight * g) / (pred + self.weight)
 
     def apply(self, confidences: np.ndarray) -> np.ndarray:
         return np.minimum(np.asarray(confidences, np.float64) * self.ratios, 1.0)
@@ -222,14 +230,16 @@ class SurvivalCorrection:
     obs: tuple[float, ...]
     alpha: float = 0.002
     weight: float = 2.0
+    ratios: np.ndarray = field(init=False, repr=False, compare=False)  # σ, computed once
+
+    def __post_init__(self) -> None:
+        ratios = (np.asarray(self.obs) + self.weight) / (np.asarray(self.pred) + self.weight)
+        ratios.setflags(write=False)
+        object.__setattr__(self, "ratios", ratios)
 
     @classmethod
     def identity(cls, gamma: int, alpha: float = 0.002) -> SurvivalCorrection:
         return cls((0.0,) * gamma, (0.0,) * gamma, alpha)
-
-    @property
-    def ratios(self) -> np.ndarray:
-        return (np.asarray(self.obs) + self.weight) / (np.asarray(self.pred) + self.weight)
 
     def apply(self, surv: np.ndarray) -> np.ndarray:
         """Survival rows [n, γ] -> corrected rows, still non-increasing and in [0, 1]."""

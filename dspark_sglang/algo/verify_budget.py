@@ -33,6 +33,48 @@ SERVING_MODES = ("lagged", "sync", "verify-all", "fixed", "threshold", "mtp1")
 # sort or an O(Rγ) partition, never a stable index sort (2-4x slower on fresh data).
 
 
+# R·γ up to which the lagged K searches and the top-K admission walk the candidates as Python
+# floats instead of a dozen numpy calls on [γ, R] arrays. They run on the host every drafting step
+# (the K search also after plain steps), right after a forward that evicted numpy's code and data
+# from the caches: in-process on the CPU engine at c = 1, `selective_k` took 133-170 µs a call and
+# `assign_top_k` 98 µs, against 37 µs for the loop. Same float operations in the same order, so the
+# same K, rows and Θ bit for bit (tests/unit/algo/test_verify_budget.py checks both paths agree).
+SMALL_PATH = 64
+
+
+def _small_path(
+    surv: np.ndarray, max_len: np.ndarray | int | None
+) -> list[tuple[float, int]] | None:
+    """The free path (no min_len) as (-a, flat index) pairs in path order, or None where the numpy
+    path must run (a large batch, or a max_len it has to check)."""
+    num_reqs, gamma = surv.shape
+    if num_reqs * gamma > SMALL_PATH:
+        return None
+    if max_len is None:
+        hi = [gamma] * num_reqs
+    elif (
+        isinstance(max_len, np.ndarray)
+        and max_len.shape == (num_reqs,)
+        and max_len.dtype.kind in "iu"
+    ):
+        hi = max_len.tolist()
+    elif isinstance(max_len, int | np.integer):
+        hi = [int(max_len)] * num_reqs
+    else:
+        return None
+    if hi and min(hi) < 0:
+        return None  # the numpy path raises
+    rows = surv.tolist()
+    path = [
+        (-a, j * num_reqs + r)
+        for r, row in enumerate(rows)
+        for j, a in enumerate(row[: hi[r]])
+        if a > 0.0
+    ]
+    path.sort()
+    return path
+
+
 def _per_request(x: np.ndarray | int | None, num_reqs: int, default: int) -> np.ndarray:
     if x is None:
         return np.full(num_reqs, default, dtype=np.int64)
@@ -224,6 +266,11 @@ def lagged_global_plan(
     """`lagged_global_k` and the tokens τ(K) = Θ(K) / SPS(R + K) it was chosen on (what
     `planned_tokens` gives for that K; nan where no K fits the table), from the same pass."""
     num_reqs = lagged_surv.shape[0]
+    if min_len is None and not min_user_tps and sps.size > num_reqs:
+        path = _small_path(lagged_surv, max_len)
+        got = None if path is None else _global_small(num_reqs, path, sps)
+        if got is not None:
+            return got
     neg, forced = _candidates(lagged_surv, min_len, max_len)
     theta, _, n_forced, _ = _path_values(lagged_surv, neg, forced, sps)
     if theta.size <= n_forced:
@@ -233,6 +280,25 @@ def lagged_global_plan(
         rate = _min_user_rate(lagged_surv, _path_order(neg, forced), sps, theta.size)
     k = _best_k(theta, n_forced, rate, min_user_tps)
     return k, float(theta[k] / sps[num_reqs + k])
+
+
+def _global_small(
+    num_reqs: int, path: list[tuple[float, int]], sps: np.ndarray
+) -> tuple[int, float] | None:
+    """lagged_global_plan over a `_small_path` (`_selective_small` without a drafter per row)."""
+    table = sps[num_reqs : num_reqs + min(len(path), sps.size - num_reqs - 1) + 1].tolist()
+    tau = float(num_reqs)
+    best, best_k = tau * table[0], 0
+    for k, (neg, _) in enumerate(path[: len(table) - 1], 1):
+        tau -= neg
+        theta = tau * table[k]
+        if theta != theta:
+            return None
+        if theta > best:
+            best, best_k = theta, k
+    if best != best:
+        return None
+    return best_k, best / table[best_k]
 
 
 def _best_k(theta: np.ndarray, n_forced: int, rate: np.ndarray | None, floor: float) -> int:
@@ -303,6 +369,11 @@ def selective_k(
     if sps.size <= num_reqs:  # not even K = 0 fits the table
         k = lagged_global_k(lagged_surv, sps, min_len=min_len, max_len=max_len)
         return k, _admitted_rows(lagged_surv, k, min_len, max_len), -np.inf
+    if min_len is None and not min_user_tps:
+        path = _small_path(lagged_surv, max_len)
+        got = None if path is None else _selective_small(num_reqs, path, sps, draft_seconds)
+        if got is not None:
+            return got
     neg, forced = _candidates(lagged_surv, min_len, max_len)
     order = _path_order(neg, forced)[: sps.size - num_reqs - 1]
     priced = _row_priced(sps, num_reqs, order, draft_seconds)
@@ -317,6 +388,32 @@ def selective_k(
     k = _best_k(theta, n_forced, rate, min_user_tps)
     first = order[:k]
     return k, np.sort(first[first < num_reqs]), float(theta[k])
+
+
+def _selective_small(
+    num_reqs: int, path: list[tuple[float, int]], sps: np.ndarray, draft_seconds: np.ndarray
+) -> tuple[int, np.ndarray, float] | None:
+    """selective_k over a `_small_path`, with the numpy path's float operations in its order:
+    τ = ((R + a1) + a2) + ..., SPS(R + K) = 1 / (1 / sps + drafter seconds of the rows drafted).
+    None when a Θ is not a number (argmax's NaN rule is the numpy path's to apply)."""
+    path = path[: sps.size - num_reqs - 1]
+    table = sps[num_reqs : num_reqs + len(path) + 1].tolist()
+    draft = np.asarray(draft_seconds, np.float64).tolist()
+    tau, drafted = float(num_reqs), 0
+    best = tau * (1.0 / (1.0 / table[0] + draft[0]))
+    best_k = 0
+    for k, (neg, i) in enumerate(path, 1):
+        tau -= neg  # + a, exactly
+        drafted += i < num_reqs  # a request's first path entry is its position-1 entry
+        theta = tau * (1.0 / (1.0 / table[k] + draft[drafted]))
+        if theta != theta:
+            return None
+        if theta > best:  # ties: the smallest K
+            best, best_k = theta, k
+    if best != best:
+        return None
+    rows = sorted(i for _, i in path[:best_k] if i < num_reqs)
+    return best_k, np.array(rows, np.int64), best
 
 
 def _admitted_rows(
@@ -336,6 +433,12 @@ def assign_top_k(
     (position asc, request asc) so the rank of (r, k) never depends on a[r, k+1..]. Each request's
     admitted set is a prefix; min_len positions are admitted first (even past K), max_len and a = 0
     are never admitted, so fewer than K are admitted when fewer are eligible."""
+    path = None if min_len is not None else _small_path(live_surv, max_len)
+    if path is not None:
+        lens = [0] * live_surv.shape[0]
+        for _, i in path[: max(int(k), 0)]:
+            lens[i % live_surv.shape[0]] += 1
+        return np.array(lens, np.int64)
     neg, forced = _candidates(live_surv, min_len, max_len)
     n_forced = 0 if forced is None else int(np.count_nonzero(forced))
     n_free = int(np.count_nonzero(neg < 0.0))

@@ -674,3 +674,56 @@ def test_lagged_global_plan_reads_the_planned_tokens_off_theta(inst: dict, tps: 
     assert k == vb.lagged_global_k(a, sps, min_user_tps=tps, **kw)
     if sps.size > a.shape[0] + k and not np.isnan(tau):
         assert tau == pytest.approx(vb.planned_tokens(a, k, **kw), rel=1e-9)
+
+
+def _numpy_path(fn: object, *args: object, **kw: object) -> object:
+    """fn with the small-batch Python path off (SMALL_PATH = 0): the numpy reference."""
+    saved, vb.SMALL_PATH = vb.SMALL_PATH, 0
+    try:
+        return fn(*args, **kw)
+    finally:
+        vb.SMALL_PATH = saved
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(instances(max_r=6, max_g=8), st.floats(0.0, 0.5), st.integers(-1, 50))
+def test_the_small_batch_path_is_the_numpy_path_bit_for_bit(
+    inst: dict, per_row: float, k: int
+) -> None:
+    """Below SMALL_PATH candidates the K searches and the top-K admission walk Python floats; they
+    must return the numpy path's K, rows, lengths and Θ exactly (the planner's decisions and the
+    recorded planned tokens may not depend on which path ran), ties and caps included."""
+    a, sps = survival(inst["conf"]), inst["sps"]
+    assert a.size <= vb.SMALL_PATH  # every instance here takes the small path
+    kw = {"max_len": inst["max_len"]}  # min_len always takes the numpy path
+    rows = 0.01 + per_row * np.arange(a.shape[0] + 1)
+    rows[0] = 0.0
+    if sps.size > a.shape[0]:
+        fast, ref = (
+            vb.selective_k(a, sps, rows, **kw),
+            _numpy_path(vb.selective_k, a, sps, rows, **kw),
+        )
+        assert fast[0] == ref[0] and fast[1].tolist() == ref[1].tolist() and fast[2] == ref[2]
+        assert fast[1].dtype == np.int64
+    plan, ref_plan = (
+        vb.lagged_global_plan(a, sps, **kw),
+        _numpy_path(vb.lagged_global_plan, a, sps, **kw),
+    )
+    assert plan[0] == ref_plan[0]
+    assert plan[1] == ref_plan[1] or (np.isnan(plan[1]) and np.isnan(ref_plan[1]))
+    lens, ref_lens = vb.assign_top_k(a, k, **kw), _numpy_path(vb.assign_top_k, a, k, **kw)
+    assert lens.tolist() == ref_lens.tolist() and lens.dtype == ref_lens.dtype
+
+
+def test_the_small_batch_path_covers_what_the_planner_sends() -> None:
+    """An int64 cap array (the engine's), a scalar cap and none take the Python path; a float cap
+    array, a batch above SMALL_PATH and a negative cap do not (the numpy path checks and raises)."""
+    a = survival(np.full((2, 3), 0.8))
+    # row 0 (cap 3) at flat 0, 2, 4; row 1 (cap 1) at flat 1
+    assert [i for _, i in vb._small_path(a, np.array([3, 1]))] == [0, 1, 2, 4]
+    assert vb._small_path(a, 2) is not None and vb._small_path(a, None) is not None
+    assert vb._small_path(a, np.array([3.0, 1.0])) is None
+    assert vb._small_path(survival(np.full((9, 8), 0.8)), None) is None
+    assert vb._small_path(a, np.array([-1, 2])) is None
+    with pytest.raises(ValueError):
+        vb.assign_top_k(a, 2, max_len=np.array([-1, 2]))
