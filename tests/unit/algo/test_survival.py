@@ -283,3 +283,28 @@ def test_repeat_pushes_the_newest_snapshot_again_without_copying() -> None:
         ids = np.array([2, 5, 9])
         assert np.array_equal(r.lagged(ids, lag, prior), p.lagged(ids, lag, prior))
     assert SurvivalHistory(depth=2).repeat().snapshots == ()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.lists(st.integers(0, 12), max_size=12, unique=True),
+    st.lists(st.integers(0, 12), min_size=0, max_size=12),
+)
+def test_the_one_by_one_lookup_is_the_vector_lookup(published: list[int], asked: list[int]) -> None:
+    """Up to SMALL_LOOKUP requests the history looks rows up in a loop; it must give the vector
+    lookup's rows and hits (ids absent, repeated, beyond the last published)."""
+    from dspark_sglang.algo import survival as sv
+
+    prior = AcceptancePrior.uniform(3, 0.6)
+    ids = np.array(published, np.int64)
+    surv = np.arange(len(published) * 3, dtype=np.float64).reshape(-1, 3) / 40.0
+    h = SurvivalHistory(depth=1).push(ids, surv)
+    want = np.array(asked, np.int64)
+    got, hit = h.lagged_with_hits(want, 1, prior)
+    saved, sv.SMALL_LOOKUP = sv.SMALL_LOOKUP, -1
+    try:
+        ref, ref_hit = h.lagged_with_hits(want, 1, prior)
+    finally:
+        sv.SMALL_LOOKUP = saved
+    assert got.tolist() == ref.tolist() and hit.tolist() == ref_hit.tolist()
+    assert hit.tolist() == [i in published for i in asked]
