@@ -291,7 +291,7 @@ def test_repeat_pushes_the_newest_snapshot_again_without_copying() -> None:
     st.lists(st.integers(0, 12), min_size=0, max_size=12),
 )
 def test_the_one_by_one_lookup_is_the_vector_lookup(published: list[int], asked: list[int]) -> None:
-    """Up to SMALL_LOOKUP requests the history looks rows up in a loop; it must give the vector
+    """Up to SMALL_ROWS requests the history looks rows up in a loop; it must give the vector
     lookup's rows and hits (ids absent, repeated, beyond the last published)."""
     from dspark_sglang.algo import survival as sv
 
@@ -301,10 +301,59 @@ def test_the_one_by_one_lookup_is_the_vector_lookup(published: list[int], asked:
     h = SurvivalHistory(depth=1).push(ids, surv)
     want = np.array(asked, np.int64)
     got, hit = h.lagged_with_hits(want, 1, prior)
-    saved, sv.SMALL_LOOKUP = sv.SMALL_LOOKUP, -1
+    saved, sv.SMALL_ROWS = sv.SMALL_ROWS, -1
     try:
         ref, ref_hit = h.lagged_with_hits(want, 1, prior)
     finally:
-        sv.SMALL_LOOKUP = saved
+        sv.SMALL_ROWS = saved
     assert got.tolist() == ref.tolist() and hit.tolist() == ref_hit.tolist()
     assert hit.tolist() == [i in published for i in asked]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 12),
+    st.integers(1, 8),
+    st.data(),
+)
+def test_the_small_updates_are_the_numpy_updates_bit_for_bit(
+    n: int, gamma: int, data: st.DataObject
+) -> None:
+    """Up to SMALL_ROWS verified rows the corrections fold a step in Python floats and the prior
+    counts its trials in Python ints; what they reach after a few steps must be the numpy path's
+    exactly."""
+    from dspark_sglang.algo import survival as sv
+
+    def steps() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        out = []
+        for _ in range(3):
+            conf = np.array(
+                data.draw(st.lists(st.floats(0.0, 1.0), min_size=n * gamma, max_size=n * gamma))
+            ).reshape(n, gamma)
+            lens = np.array(data.draw(st.lists(st.integers(0, gamma), min_size=n, max_size=n)))
+            acc = np.array([data.draw(st.integers(0, int(x))) for x in lens])
+            out.append((conf, lens, acc))
+        return out
+
+    def run(history: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[tuple, tuple]:
+        cc, sc = ConfidenceCorrection.identity(gamma), SurvivalCorrection.identity(gamma)
+        for conf, lens, acc in history:
+            cc = cc.observe(conf, lens, acc)
+            sc = sc.observe(survival(conf), lens, acc)
+        return (cc.pred, cc.obs, cc.ratios.tolist()), (sc.pred, sc.obs, sc.ratios.tolist())
+
+    def prior(history: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> AcceptancePrior:
+        p = AcceptancePrior.uniform(gamma)
+        for _, lens, acc in history:
+            p = p.observe(lens, acc)
+        return p
+
+    history = steps()
+    fast, fast_prior = run(history), prior(history)
+    saved, sv.SMALL_ROWS = sv.SMALL_ROWS, -1
+    try:
+        ref, ref_prior = run(history), prior(history)
+    finally:
+        sv.SMALL_ROWS = saved
+    assert fast == ref
+    assert (fast_prior.rates, fast_prior.trials) == (ref_prior.rates, ref_prior.trials)
