@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dspark_sglang.bench import serving, steps
+from dspark_sglang.bench import serving, steps, verdict
 from dspark_sglang.bench.pareto import (
     frontier,
     matched_speedups,
@@ -167,7 +167,7 @@ def bench_args(args: argparse.Namespace, policy: str, c: int, slot: int = 0) -> 
     return serving.parse_args(argv)
 
 
-def _is_rival(policy: str) -> bool:
+def is_rival(policy: str) -> bool:
     """No-spec and the fixed policies, as given (a variant of one is not the one the goal names)."""
     if "@" in policy:
         return False
@@ -204,7 +204,7 @@ def paired_ratios(
             by.setdefault((r["concurrency"], r.get("pass", 0)), {})[r["policy"]] = r[key]
     out: dict[int, list[float]] = {}
     for (c, _), tps in sorted(by.items()):
-        rivals = [v for p, v in tps.items() if _is_rival(p) and v > 0]
+        rivals = [v for p, v in tps.items() if is_rival(p) and v > 0]
         if "lagged" in tps and rivals:
             out.setdefault(c, []).append(tps["lagged"] / max(rivals))
     return out
@@ -226,7 +226,7 @@ def goal_rows(
         rivals = [
             by[(p, c)]
             for p in policies
-            if (p, c) in by and _is_rival(p) and (by[(p, c)].get(key) or 0.0) > 0.0
+            if (p, c) in by and is_rival(p) and (by[(p, c)].get(key) or 0.0) > 0.0
         ]
         if lag is None or lag.get(key) is None or not rivals:
             continue
@@ -293,6 +293,11 @@ def analyse(
             }
             for label, per_c in ab.items()
         }
+    # How far the verdict above can be trusted on this host (bench/verdict.py): the per-pass
+    # noise, an interval for lagged / best rival, and the verdict's pass rate for a tie.
+    noise = verdict.summary(raw, is_rival) if raw else {}
+    if noise:
+        out["noise"] = noise
     anchors: dict[str, Any] = {}
     for a in sla:
         anchors[str(a)] = {p: throughput_at_sla(f, a) for p, f in fronts.items()}
@@ -320,6 +325,9 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
     for title, k in (("whole run", "per_concurrency"), ("steady window", "steady_per_concurrency")):
         if goals.get(k):
             _print_goal(title, goals[k])
+    if goals.get("noise"):
+        print()
+        verdict.print_summary(goals["noise"], "whole run:")
     for label, per_c in goals.get("variant_vs_base", {}).items():
         s = ", ".join(
             f"c={c} {x['paired_median']:.3f} ({' / '.join(f'{v:.3f}' for v in x['paired_ratios'])})"
