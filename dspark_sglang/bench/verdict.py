@@ -54,7 +54,9 @@ class CellVerdict:
     concurrency: int
     passes: int
     best_rival: str
-    ratio: float  # the sweep's verdict: median(lagged) / max over rivals of median(rival)
+    # the sweep's verdict, median(lagged) / max over rivals of median(rival); medians of log
+    # tok/s, so with an even pass count the middle two are averaged geometrically
+    ratio: float
     paired_ratio: float  # exp(mu_lagged - mu_best) from the two-way fit
     paired_ratio_lo: float  # 90 % interval (t over the pooled sigma's dof)
     paired_ratio_hi: float
@@ -72,8 +74,8 @@ def tables(
     key: str = "output_throughput",
     keep: Callable[[str], bool] = _every,
 ) -> list[Table]:
-    """Per c, the policies (kept by `keep`) and passes whose records are all present and > 0:
-    the passes where every kept policy ran, then the policies present in all of them."""
+    """Per c, a complete table: the kept policies measured (> 0) in the most passes, over the
+    passes they all share; a policy missing a pass is left out of that c."""
     by: dict[int, dict[str, dict[int, float]]] = {}
     for r in raw:
         v = r.get(key)
