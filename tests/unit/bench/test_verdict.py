@@ -135,3 +135,45 @@ def test_cli_reads_a_sweep_file_and_refuses_a_missing_one(
     assert json.loads(out.read_text())[str(f)]["per_concurrency"][0]["concurrency"] == 1
     assert verdict.main([str(tmp_path / "nope.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_the_every_rival_interval_covers_a_tie_with_three_rivals() -> None:
+    """Lagged ties three rivals: the Bonferroni interval of the smallest lagged / rival holds
+    the truth (1.0) at least nine times in ten, and it never starts above the interval against
+    the rival with the best median (that rival is one of those it takes the smallest over)."""
+    mu = {c: {"lagged": 0.0, "fixed:3": 0.0, "verify-all": 0.0, "mtp1": 0.0} for c in (1, 2)}
+    every, n = 0, 0
+    for seed in range(40):
+        raw = _raw(mu, 3, 0.08, 0.2, seed)
+        _, cells = verdict.assess(verdict.tables(raw), _is_rival, seed=seed)
+        for cell in cells:
+            every += cell.best_ratio_lo <= 1.0 <= cell.best_ratio_hi
+            assert cell.best_ratio_lo <= cell.paired_ratio_lo
+            assert set(cell.rival_log_ratios) == {"fixed:3", "verify-all", "mtp1"}
+            assert cell.rival_log_ratios[cell.best_rival] == pytest.approx(
+                math.log(cell.paired_ratio)
+            )
+            n += 1
+    assert n == 80 and every / n >= 0.9
+
+
+def test_pooling_per_rival_removes_the_best_rivals_bias() -> None:
+    """Four sweeps of a tie with three rivals, pooled 30 times over: the old pooling of each
+    run's own best rival sits below 1 on average however many runs are pooled; per rival the
+    pooled ratio is centred on 1, and the interval of the smallest ratio covers 1."""
+    mu = {1: {"lagged": 0.0, "fixed:3": 0.0, "verify-all": 0.0, "mtp1": 0.0}}
+    own, per_rival, covered = [], [], 0
+    for rep in range(30):
+        reports = [
+            verdict.summary(_raw(mu, 3, 0.08, 0.2, 100 * rep + k), _is_rival, seed=k)
+            for k in range(4)
+        ]
+        own += [math.log(r["per_concurrency"][0]["paired_ratio"]) for r in reports]
+        pool = verdict.pooled(reports)[1]
+        assert pool["runs"] == 4 and set(pool["per_rival"]) == {"fixed:3", "verify-all", "mtp1"}
+        per_rival += [math.log(x["ratio"]) for x in pool["per_rival"].values()]
+        covered += pool["best_lo"] <= 1.0 <= pool["best_hi"]
+        assert pool["ratio"] == min(x["ratio"] for x in pool["per_rival"].values())
+    assert np.mean(own) < -0.015
+    assert abs(np.mean(per_rival)) < 0.01
+    assert covered / 30 >= 0.85
