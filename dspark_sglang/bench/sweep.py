@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dspark_sglang.bench import serving, steps, verdict
+from dspark_sglang.bench import hostcpu, serving, steps, verdict
 from dspark_sglang.bench.pareto import (
     frontier,
     matched_speedups,
@@ -132,6 +132,12 @@ class Server:
             time.sleep(1.0)
         self.__exit__(None, None, None)
         raise RuntimeError(f"server not ready after {self.timeout:.0f}s; see {self.log_path}")
+
+    @property
+    def pid(self) -> int:
+        """The deployment's process group id (it runs in its own session)."""
+        assert self.proc is not None
+        return self.proc.pid
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -298,11 +304,35 @@ def analyse(
     noise = verdict.summary(raw, is_rival) if raw else {}
     if noise:
         out["noise"] = noise
+    host = host_cpu(raw)
+    if host:
+        out["host_cpu"] = host
     anchors: dict[str, Any] = {}
     for a in sla:
         anchors[str(a)] = {p: throughput_at_sla(f, a) for p, f in fronts.items()}
     out["throughput_at_sla"] = anchors
     return out
+
+
+HOST_KEYS = ("host_steal", "host_idle", "measured_deployment", "other_deployments", "client")
+
+
+def host_cpu(raw: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per policy, over its measured windows: the median and the largest of each `cpu_*` figure
+    (cores; bench.hostcpu). Empty when the records carry none (not Linux, or older files)."""
+    by: dict[str, dict[str, list[float]]] = {}
+    for r in raw:
+        for k in HOST_KEYS:
+            v = r.get(f"cpu_{k}")
+            if v is not None:
+                by.setdefault(r["policy"], {}).setdefault(k, []).append(float(v))
+    return {
+        p: {
+            **{k: float(statistics.median(v)) for k, v in per.items()},
+            **{f"{k}_max": max(v) for k, v in per.items()},
+        }
+        for p, per in by.items()
+    }
 
 
 def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dict) -> None:
@@ -328,6 +358,13 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
     if goals.get("noise"):
         print()
         verdict.print_summary(goals["noise"], "whole run:")
+    if goals.get("host_cpu"):
+        print("\nhost CPU during each policy's runs, cores (median / largest):")
+        for p, h in goals["host_cpu"].items():
+            print(
+                f"  {p:<12s}"
+                + "  ".join(f"{k} {h[k]:.2f}/{h[k + '_max']:.2f}" for k in HOST_KEYS if k in h)
+            )
     for label, per_c in goals.get("variant_vs_base", {}).items():
         s = ", ".join(
             f"c={c} {x['paired_median']:.3f} ({' / '.join(f'{v:.3f}' for v in x['paired_ratios'])})"
@@ -359,17 +396,41 @@ def _print_goal(title: str, per_c: list[dict[str, Any]]) -> None:
 
 
 def measure(
-    args: argparse.Namespace, policy: str, c: int, pass_no: int, jsonl: Path, slot: int = 0
+    args: argparse.Namespace,
+    policy: str,
+    c: int,
+    pass_no: int,
+    jsonl: Path,
+    slot: int = 0,
+    groups: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    """One bench.serving run against `policy`'s deployment. `groups`: each running
+    deployment's process group id by label; the record then carries where the host's CPU went
+    during the run (`cpu_*`, in cores; bench.hostcpu)."""
+    before = hostcpu.read() if groups else None
     rec = serving.run(bench_args(args, policy, c, slot))
     rec |= {"policy": policy, "concurrency": c, "pass": pass_no}
+    after = hostcpu.read() if before is not None else None
+    if before is not None and after is not None and groups:
+        labels = {
+            "measured_deployment": (groups[policy],) if policy in groups else (),
+            "other_deployments": tuple(g for p, g in groups.items() if p != policy),
+            "client": (os.getpgrp(),),
+        }
+        rec |= {f"cpu_{k}": v for k, v in hostcpu.usage(before, after, labels).items()}
     with jsonl.open("a") as f:
         f.write(json.dumps(rec) + "\n")
     budget = rec.get("verify_tokens_per_request") or float("nan")
+    host = (
+        f"  host: steal {rec['cpu_host_steal']:.2f} idle {rec['cpu_host_idle']:.2f} "
+        f"other deployments {rec['cpu_other_deployments']:.2f} cores"
+        if "cpu_host_steal" in rec
+        else ""
+    )
     print(
         f"   c={c:<3d} {policy:<10s} {rec['output_throughput']:8.1f} tok/s  "
         f"{rec['mean_tps_per_user']:6.1f} tok/s/user  accept {rec['accept_length']:.2f}"
-        f"  budget {budget:.2f}  failed {rec['failed']}",
+        f"  budget {budget:.2f}  failed {rec['failed']}{host}",
         file=sys.stderr,
         flush=True,
     )
@@ -381,8 +442,9 @@ def run_policy(
 ) -> list[dict[str, Any]]:
     cmd = server_command(args, policy)
     print(f"== pass {pass_no} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    with Server(cmd, f"http://127.0.0.1:{args.port}", log_path, args.ready_timeout):
-        return [measure(args, policy, c, pass_no, jsonl) for c in args.concurrency]
+    with Server(cmd, f"http://127.0.0.1:{args.port}", log_path, args.ready_timeout) as server:
+        groups = {policy: server.pid}
+        return [measure(args, policy, c, pass_no, jsonl, 0, groups) for c in args.concurrency]
 
 
 def run_interleaved(
@@ -393,18 +455,19 @@ def run_interleaved(
     alternating: rivals are measured seconds apart instead of minutes, so the host's drift
     (up to 13 % between passes on the shared 2-core VM) does not land on one policy."""
     out = []
+    groups: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         for i, policy in enumerate(args.policies):
             cmd = server_command(args, policy, i)
             print(f"== server {i} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
             url = f"http://127.0.0.1:{args.port + i}"
-            stack.enter_context(Server(cmd, url, log_path, args.ready_timeout))
+            groups[policy] = stack.enter_context(Server(cmd, url, log_path, args.ready_timeout)).pid
         slots = {p: i for i, p in enumerate(args.policies)}
         for k in range(first, first + args.passes):
             print(f"== pass {k}", file=sys.stderr, flush=True)
             for j, c in enumerate(args.concurrency):
                 order = list(args.policies)[:: -1 if (k + j) % 2 else 1]
-                out += [measure(args, p, c, k, jsonl, slots[p]) for p in order]
+                out += [measure(args, p, c, k, jsonl, slots[p], groups) for p in order]
     return out
 
 
@@ -421,6 +484,9 @@ MEDIAN_KEYS = (
     "p99_tpot_ms",
     "request_goodput",
     "server_step_ms",
+    "cpu_host_steal",
+    "cpu_host_idle",
+    "cpu_other_deployments",
 )
 
 

@@ -110,7 +110,9 @@ def test_passes_are_aggregated_by_median() -> None:
 
 
 class _FakeServer:
-    """Stands in for sweep.Server: starts nothing."""
+    """Stands in for sweep.Server: starts nothing (its process group exists nowhere)."""
+
+    pid = 2**22 + 1  # above Linux's largest pid
 
     def __init__(self, cmd: list[str], *_: object) -> None:
         pass
@@ -254,3 +256,47 @@ def test_step_logs_go_one_folder_per_policy_and_end_in_a_step_report(
     assert all(r["tok_per_s"] == pytest.approx(500.0) for r in report["rows"])
     assert (tmp_path / "s_steps.csv").is_file()
     assert "decode steps by batch size" in capsys.readouterr().out
+
+
+def test_each_record_says_where_the_hosts_cpu_went(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On Linux every measurement carries the host's and the deployments' CPU over its window
+    (bench.hostcpu): here the 'deployment' under test is this process's own group, which burns
+    CPU while serving.run runs, and the other deployment is idle (no such group)."""
+    import os
+    import time
+
+    from dspark_sglang.bench import hostcpu
+
+    if hostcpu.read() is None:
+        pytest.skip("needs Linux /proc (the feature records nothing elsewhere)")
+
+    class FakeServer(_FakeServer):
+        def __init__(self, cmd: list[str], *_: object) -> None:
+            self.pid = os.getpgrp() if "lagged" in cmd else 2**22 + 2
+
+    def busy_run(ns: object) -> dict:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+        return _fake_result(ns)
+
+    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep.serving, "run", busy_run)
+    argv = ["--interleave", "--policies", "no-spec,lagged", "--concurrency", "1"]
+    argv += ["--out-dir", str(tmp_path), "--name", "s"]
+    assert sweep.main(argv) == 0
+    recs = {
+        r["policy"]: r for r in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines())
+    }
+    lag, ns = recs["lagged"], recs["no-spec"]
+    assert lag["cpu_measured_deployment"] > 0.5  # this process, busy for the whole window
+    assert ns["cpu_measured_deployment"] == 0.0 and ns["cpu_other_deployments"] > 0.5
+    assert lag["cpu_other_deployments"] == 0.0
+    for r in (lag, ns):
+        total = sum(r[f"cpu_host_{k}"] for k in ("user", "system", "idle", "steal"))
+        assert total == pytest.approx(os.cpu_count(), rel=0.2)
+    summary = json.loads((tmp_path / "s_summary.json").read_text())
+    assert summary["goals"]["host_cpu"]["lagged"]["measured_deployment"] > 0.5
+    assert "host CPU during each policy's runs" in capsys.readouterr().out
