@@ -628,3 +628,52 @@ def test_the_planner_state_reports_what_it_learned() -> None:
     after = json.loads(json.dumps(p.state()))
     assert all(a > 0.5 for a in after["prior_rates"]) and after["prior_trials"] == [1.0] * 4
     assert all(r > 1.0 for r in after["confidence_ratios"])
+
+
+def test_an_untested_plain_price_is_explored_from_a_drafting_run() -> None:
+    """Eight requests drafting at survival 0.5, 0.25, …: K = 8 is priced at 73.6 tok/s against
+    72.7 plain. After PLAIN_EXPLORE_GAP drafting steps, while fewer than PLAIN_MIN_RECORDS plain
+    steps timed R = 8, one K > 0 step decodes plainly instead; it keeps the drafting run (no plain
+    run is folded) and is counted. Once plain steps at R = 8 were timed, or where plain is priced
+    far below the plan, or with --explore-ratio 0 or no live estimator, nothing is explored."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import PLAIN_EXPLORE_GAP, PLAIN_MIN_RECORDS, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    ids, max_len, logits = list(range(8)), np.full(8, 4), np.zeros((8, 4))
+    draft = Curve((1.0, 64.0), (0.005, 0.068))  # 13 ms for 8 rows
+
+    def planner(base: float, per_token: float, live: bool = True, ratio: float = 0.75):
+        buckets = tuple(range(1, 257))
+        table = TableModel(buckets, tuple(base + per_token * b for b in buckets))
+        p = VerifyPlanner(parse_schedule_mode("lagged"), 4, CapacityModel(table, draft=draft),
+                          None, live, 0.0, False, False, ratio)  # fmt: skip
+        for _ in range(PLAIN_EXPLORE_GAP):
+            p.plan(ids, logits, max_len, 80, 8)
+        return p
+
+    p = planner(0.07, 0.005)
+    assert p.budget(ids, max_len, 80) == 0 and p.plain_explored == 1  # explored
+    run = p._drafting_run
+    p.skip(ids, max_len, 80)
+    assert p._drafting_run == run > 0 and p._plain_run == 0
+    assert p.budget(ids, max_len, 80) == 8  # the gap starts again
+    for _ in range(PLAIN_EXPLORE_GAP):
+        p.plan(ids, logits, max_len, 80, 8)
+    assert p.budget(ids, max_len, 80) == 0 and p.plain_explored == 2
+    p.skip(ids, max_len, 80)
+    assert p.estimator is not None
+    for t in range(PLAIN_MIN_RECORDS):  # plain steps at R = 8, their forward timed
+        p.estimator.observe(StepRecord(t, 8, 8, 0, 8, 640, 0.11, forward_seconds=0.1))
+    assert p.estimator.plain_timed(8) == PLAIN_MIN_RECORDS
+    for _ in range(PLAIN_EXPLORE_GAP):
+        p.plan(ids, logits, max_len, 80, 8)
+    assert p.budget(ids, max_len, 80) == 8 and p.plain_explored == 2  # tested: no more
+    assert p.state()["plain_explored"] == 2
+    far = planner(0.3, 0.001)  # plain 26 tok/s against 65 for the plan: not worth a look
+    assert far.budget(ids, max_len, 80) > 0 and far.plain_explored == 0
+    off = planner(0.07, 0.005, ratio=0.0)
+    assert off.budget(ids, max_len, 80) == 8 and off.plain_explored == 0
+    fixed = planner(0.07, 0.005, live=False)
+    assert fixed.budget(ids, max_len, 80) == 8 and fixed.plain_explored == 0
