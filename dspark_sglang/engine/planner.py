@@ -334,6 +334,9 @@ class VerifyPlanner:
             return False
         if self._plain_gap < PLAIN_EXPLORE_GAP or not math.isfinite(self._k_planned):
             return False
+        # looked at once per gap, explored or not: pricing two steps on every drafting step at
+        # c = 64 would cost more host time than the exploration saves
+        self._plain_gap = 0
         if est.plain_timed(r) >= PLAIN_MIN_RECORDS:
             return False
         theta_k = self._k_planned / float(cap.predict(r, r + k, ctx, drafted=True))
