@@ -97,9 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=dc.explore_ratio,
         help="lagged mode: draft the whole batch where the drafter's price at that batch size is "
-        "untested and priced within this share of the best plan, and decode plainly now and then "
-        "where a plain step's price is untested and within this share of the plan (0 = never; "
-        "default %(default)s)",
+        "untested and priced within this share of the best plan (0 = never; default %(default)s)",
     )
     a(
         "--ep-size",

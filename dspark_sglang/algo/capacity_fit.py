@@ -477,12 +477,6 @@ class LiveEstimator:
         b = r_bin(num_reqs)
         return sum(n for r, (_, n) in self._draft.items() if r_bin(r) >= b)
 
-    def plain_timed(self, num_reqs: int) -> float:
-        """Plain steps (their forward timed) that taught the host term at R's bin (`r_bin`):
-        each also taught the forward's bucket B = R what a plain step costs."""
-        b = r_bin(num_reqs)
-        return sum(n for r, (_, n) in self._host.items() if r_bin(r) == b)
-
     def _observe_host(self, num_reqs: int, seconds: float) -> None:
         seconds *= math.exp(-self._g)  # at the level, as _observe_draft
         mean, n = self._host.get(num_reqs, (seconds, 0.0))

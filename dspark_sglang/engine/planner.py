@@ -79,19 +79,6 @@ POOL_ROWS, POOL_MIN = 256, 16
 # nothing). The cost is bounded: at most (1 - EXPLORE_RATIO) of a step's predicted throughput, a
 # few steps per R bin (the first is resumed, the next CAP_MIN_RECORDS teach).
 EXPLORE_RATIO = 0.75
-# The mirror image: while drafting, a plain step whose price at this R was timed by fewer than
-# PLAIN_MIN_RECORDS plain steps (R's r_bin) is taken anyway, once every PLAIN_EXPLORE_GAP drafting
-# steps, when priced within EXPLORE_RATIO of the chosen plan. Where lagged drafts every step, a
-# plain step's price is the start-up profile's shape at the live level, and nothing corrects it.
-# In-process, 2026-12-04 (CPU engine, c = 32, start-up profile of 20 s): that shape put a plain
-# R = 32 forward at 1.35x its measured time against 1.13x for a B = 160 one. Lagged priced plain
-# R = 32 steps at 21.8-24.1 ms, where no-spec's took 14.5-16.7, so it drafted every full-load step
-# at about 1,800 tok/s priced, plain steps would have made about 2,000. Served (sweep
-# hic_642b107, c = 32) it drafted 96 % of its R = 17-32 steps at 0.82 of no-spec's tok/s of step
-# time. Exploring steps are not counted as plain runs (the switch price) and keep the drafting
-# run going. The cost is bounded: at most (1 - EXPLORE_RATIO) of a step's predicted throughput,
-# one step in PLAIN_EXPLORE_GAP, PLAIN_MIN_RECORDS times per R bin.
-PLAIN_EXPLORE_GAP, PLAIN_MIN_RECORDS = 16, 8
 # A lagged probe that drafted every row of a batch after skipped steps (a resumed drafter, which
 # prices nothing) is followed by one more drafting step, once probes have backed off: the
 # drafter's price at that R is then retimed each probe gap. Nothing else times it while K stays 0,
@@ -230,9 +217,6 @@ class VerifyPlanner:
         self._probe_every = PROBE_MIN
         self._retime = False  # the step after a whole-batch probe drafts too (retimes the price)
         self._drafting_run = 0  # consecutive steps with K > 0
-        self._plain_gap = 0  # drafting steps since the last plain one (PLAIN_EXPLORE_GAP)
-        self._exploring_plain = False  # budget() turned this step's K > 0 into a plain step
-        self.plain_explored = 0  # plain steps taken to time their price (PLAIN_MIN_RECORDS)
         self._last_rows = 0  # rows the last K > 0 step drafted
         self.resume_ratio = 0.0  # a resumed drafter's excess over its steady price (RESUME_RATE)
         self._resumes = 0  # resumed steps that taught resume_ratio
@@ -320,28 +304,7 @@ class VerifyPlanner:
             np.asarray(ids), self._sps(len(ids), ctx), max_len
         )
         self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
-        if k > 0 and self._explore_plain(len(ids), ctx, k):
-            self._exploring_plain = True
-            self.plain_explored += 1
-            return 0
         return k
-
-    def _explore_plain(self, r: int, ctx: int, k: int) -> bool:
-        """Whether this drafting step decodes plainly instead, to time the plain step's price
-        at R (PLAIN_MIN_RECORDS)."""
-        est, cap = self.estimator, self.capacity
-        if est is None or cap is None or self.explore_ratio <= 0.0 or not self._corrects:
-            return False
-        if self._plain_gap < PLAIN_EXPLORE_GAP or not math.isfinite(self._k_planned):
-            return False
-        # looked at once per gap, explored or not: pricing two steps on every drafting step at
-        # c = 64 would cost more host time than the exploration saves
-        self._plain_gap = 0
-        if est.plain_timed(r) >= PLAIN_MIN_RECORDS:
-            return False
-        theta_k = self._k_planned / float(cap.predict(r, r + k, ctx, drafted=True))
-        theta_0 = r / float(cap.predict(r, r, ctx))
-        return theta_0 >= self.explore_ratio * theta_k
 
     def should_probe(self) -> bool:
         """Lagged K = 0, but draft anyway this step and verify the drafts, to refresh the survival
@@ -379,11 +342,8 @@ class VerifyPlanner:
         sps = self._sps(r, ctx)
         self._track_load(r)
         self._since_draft += 1
-        self._plain_gap = 0
-        explored, self._exploring_plain = self._exploring_plain, False
-        if not explored:  # an exploring step keeps the drafting run (and its skip charge) going
-            self._drafting_run = 0
-            self._plain_run += 1
+        self._drafting_run = 0
+        self._plain_run += 1
         age = self._since_draft
         weight = STALE_DECAY**age
         if self._last_raw is None or (age & (age - 1) and weight >= STALE_FLOOR):
@@ -463,7 +423,6 @@ class VerifyPlanner:
             else:
                 self._end_plain_run()
                 self._drafting_run += 1
-                self._plain_gap += 1
                 self._last_rows = r
                 if self._drafting_run >= PROBE_MIN:
                     self._probe_every = PROBE_MIN
@@ -544,7 +503,6 @@ class VerifyPlanner:
             "resumes": self._resumes,
             "probe_every": self._probe_every,
             "steps_since_draft": self._since_draft,
-            "plain_explored": self.plain_explored,
             "fallbacks": dict(self.fallbacks),
         }
 
