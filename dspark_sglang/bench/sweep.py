@@ -362,7 +362,7 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
         print("\nhost CPU during each policy's runs, cores (median / largest):")
         for p, h in goals["host_cpu"].items():
             print(
-                f"  {p:<12s}"
+                f"  {p:<12s} "
                 + "  ".join(f"{k} {h[k]:.2f}/{h[k + '_max']:.2f}" for k in HOST_KEYS if k in h)
             )
     for label, per_c in goals.get("variant_vs_base", {}).items():
