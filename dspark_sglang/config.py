@@ -229,6 +229,10 @@ class DraftConfig:
     capacity_profile: str | None = None  # engine_profiles YAML; None = profile at start-up
     startup_profile_seconds: float = 60.0  # bound on start-up capacity profiling
     live_capacity: bool = True  # refit the capacity model from every step's timing
+    # price a step at the token count its forward executes (the runner's row tiers: the packed
+    # CPU products pad their rows to a grid), not at its own; applies to a profile without
+    # buckets of its own and to start-up profiling (docs/capacity.md "Row tiers")
+    capacity_tiers: bool = True
     min_user_tps: float = 0.0  # SLA floor on each request's expected tokens/s (0 = off)
     # lagged mode: plan the next step's K on a worker thread while this step runs. None = where
     # that hides anything: CUDA, whose kernels run while the host plans. A CPU forward is the host

@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine_profiles YAML (default: profile at start-up in the lagged and sync modes)",
     )
     a("--startup-profile-seconds", type=float, default=dc.startup_profile_seconds)
+    a(
+        "--disable-capacity-tiers",
+        dest="capacity_tiers",
+        action="store_false",
+        help="price each step at its own token count, not at the row tier the CPU engine's "
+        "packed products pad it to (default: the tiers, where the engine has them)",
+    )
     a("--min-user-tps", type=float, default=dc.min_user_tps, help="per-request tokens/s floor")
     ov = p.add_mutually_exclusive_group()
     ov.add_argument(
@@ -229,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             schedule_mode=args.schedule_mode,
             capacity_profile=args.capacity_profile,
             startup_profile_seconds=args.startup_profile_seconds,
+            capacity_tiers=args.capacity_tiers,
             min_user_tps=args.min_user_tps,
             overlap=args.overlap,
             selective_draft=args.selective_draft,

@@ -11,14 +11,14 @@ import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from dspark_sglang.algo.capacity import CapacityModel, Curve
+from dspark_sglang.algo.capacity import AdditiveModel, CapacityModel, Curve
 from dspark_sglang.algo.capacity_fit import fit_additive, fit_table
 from dspark_sglang.algo.verify_budget import ScheduleMode, parse_schedule_mode
 from dspark_sglang.config import (
@@ -198,6 +198,17 @@ class LLMEngine:
             capacity = load_profile(cfg.capacity_profile).model
         elif mode.name in ("sync", "lagged"):
             capacity = self._profile_capacity(cfg.startup_profile_seconds)
+        tiers = self.runner.row_tiers
+        if (
+            capacity is not None
+            and cfg.capacity_tiers
+            and tiers
+            and isinstance(capacity.form, AdditiveModel)
+            and not capacity.form.buckets
+        ):
+            # price what this engine executes: B within a tier costs the tier (a profile with
+            # buckets of its own keeps them: they describe the engine it was measured on)
+            capacity = replace(capacity, form=replace(capacity.form, buckets=tiers))
         sts = None
         assert cfg.path is not None
         sts_file = Path(cfg.path) / "sts.json"

@@ -16,7 +16,7 @@ from dspark_sglang.engine.batch import ForwardBatch
 from dspark_sglang.engine.kv_cache import allocate_kv, bytes_per_block, num_blocks_for
 from dspark_sglang.engine.speculative import DraftBatch, Proposal, length_groups
 from dspark_sglang.models.attention import ForwardContext, forward_context
-from dspark_sglang.models.cpu_gemm import pack_model, use_onednn, warm_up
+from dspark_sglang.models.cpu_gemm import pack_model, row_tiers, use_onednn, warm_up
 from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
 from dspark_sglang.models.moe import ExpertParallel
@@ -78,8 +78,13 @@ class ModelRunner:
                 bucket_linears(self.drafter, self.draft_gemm_dtype)
             elif self.draft_dtype != torch.float32:  # a bounded set of oneDNN kernels
                 bucket_linears(self.drafter)
+        # the token counts a target forward executes at (the capacity model's buckets); () =
+        # exactly the batch's tokens
+        self.row_tiers: tuple[int, ...] = ()
         if use_onednn(model_cfg.cpu_gemm, self.device):
             packed = pack_model(self.model, max_rows)
+            if packed:  # an fp32 target: its products pad their rows to the grid
+                self.row_tiers = row_tiers(max_rows)
             if self.drafter is not None:
                 packed += pack_model(self.drafter, max_rows)
             warm_up(packed)

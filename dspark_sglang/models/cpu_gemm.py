@@ -88,6 +88,23 @@ def grid_sizes(lo: int, hi: int) -> list[int]:
     return out
 
 
+# Below this many tokens a forward's cost grows token by token even with every product packed:
+# the narrow products (the attention's k / v, the router) stay in MKL, unpadded, below 16 rows,
+# and each expert a token reaches adds a call. From it up, every product pads to the grid and a
+# forward costs what the grid size above it costs (in-process, R = 2: 13-16 tokens 5.8-6.0 ms
+# against 3.9-5.1 for 5-8; docs/capacity.md "Row tiers").
+EXACT_TIER_ROWS = 8
+
+
+def row_tiers(max_rows: int) -> tuple[int, ...]:
+    """The token counts a packed target forward executes at, as the capacity model's buckets:
+    every count up to EXACT_TIER_ROWS, then the grid up to grid_rows(max_rows)."""
+    exact = tuple(range(1, min(EXACT_TIER_ROWS, max_rows) + 1))
+    if max_rows <= EXACT_TIER_ROWS:
+        return exact
+    return exact + tuple(grid_sizes(EXACT_TIER_ROWS + 1, max_rows))
+
+
 class PackedWeight:
     """A fp32 [n, k] weight in oneDNN's layout, its bias, and the products it takes: from
     crossover_rows(k, n) to `max_rows` rows (the others go to MKL)."""
