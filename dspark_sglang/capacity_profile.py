@@ -226,11 +226,16 @@ def profile_from_report(
     target: str | None = None,
     drafter: str | None = None,
     kind: str = "additive",
-    buckets: tuple[int, ...] = (),
+    buckets: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Fit a profile dict from the profile CLI's JSON report (its `points` hold R, B,
     tokens_per_req, per-request ctx and median_s). ctx becomes KV tokens attended by the batch,
-    R·(ctx + tokens_per_req), as in StepRecord.kv_tokens. The result is validated."""
+    R·(ctx + tokens_per_req), as in StepRecord.kv_tokens. `buckets` default to the report's
+    `row_tiers` (the token counts the profiled engine executes at; none: exact B). The result is
+    validated."""
+    if buckets is None:
+        raw = (report.get("row_tiers") or []) if isinstance(report, dict) else []
+        buckets = as_increasing(raw, "report.row_tiers", integer=True, allow_empty=True)
     points = get_field(report, "points", "report")
     if not isinstance(points, list) or not points:
         raise ConfigError("report.points: expected a non-empty list of timing points")

@@ -122,9 +122,9 @@ def make_grid(args: argparse.Namespace) -> list[GridPoint]:
 
 def profile(
     model_path: str, args: argparse.Namespace
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(target forward points, drafter points: one drafting pass per R; empty without a
-    drafter)."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], tuple[int, ...]]:
+    """(target forward points, drafter points: one drafting pass per R, empty without a
+    drafter; the token counts the target's forward executes at, the runner's row tiers)."""
     points = make_grid(args)
     page_size = CacheConfig().page_size
     # Size the pool to the largest point exactly: the default byte budget may be too small for a
@@ -167,7 +167,7 @@ def profile(
         for r in sorted({*args.num_reqs, *args.batch_sizes}):
             secs = time_draft(runner, pool, r, ctx, args.repeats, args.warmup, gen)
             drafts.append({"R": r, "ctx": ctx, "median_s": secs})
-    return rows, drafts
+    return rows, drafts, runner.row_tiers
 
 
 def _int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             if model_path is None:
                 write_synthetic_model(Path(tmp))
                 model_path = tmp
-            points, draft_points = profile(model_path, args)
+            points, draft_points, tiers = profile(model_path, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "dspark_sglang.profile", *argv]),
         "points": points,
+        "row_tiers": list(tiers),
     }
     if args.draft_model_path:
         report["drafter"] = args.draft_model_path

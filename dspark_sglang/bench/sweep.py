@@ -135,7 +135,7 @@ class Server:
 
     @property
     def pid(self) -> int:
-        """The deployment's process group id (it runs in its own session)."""
+        """The deployment's root process (its API process; the workers are its children)."""
         assert self.proc is not None
         return self.proc.pid
 
@@ -405,8 +405,9 @@ def measure(
     groups: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One bench.serving run against `policy`'s deployment. `groups`: each running
-    deployment's process group id by label; the record then carries where the host's CPU went
-    during the run (`cpu_*`, in cores; bench.hostcpu)."""
+    deployment's pid by label (the root of its process tree); the record then carries where the
+    host's CPU went during the run (`cpu_*`, in cores; bench.hostcpu): the measured deployment,
+    the others, and the client (this process and its children outside every deployment)."""
     before = hostcpu.read() if groups else None
     rec = serving.run(bench_args(args, policy, c, slot))
     rec |= {"policy": policy, "concurrency": c, "pass": pass_no}
@@ -415,9 +416,13 @@ def measure(
         labels = {
             "measured_deployment": (groups[policy],) if policy in groups else (),
             "other_deployments": tuple(g for p, g in groups.items() if p != policy),
-            "client": (os.getpgrp(),),
+            "everything_here": (os.getpid(),),
         }
-        rec |= {f"cpu_{k}": v for k, v in hostcpu.usage(before, after, labels).items()}
+        cpu = hostcpu.usage(before, after, labels)
+        here = cpu.pop("everything_here")
+        deployments = cpu["measured_deployment"] + cpu["other_deployments"]
+        cpu["client"] = max(here - deployments, 0.0)
+        rec |= {f"cpu_{k}": v for k, v in cpu.items()}
     with jsonl.open("a") as f:
         f.write(json.dumps(rec) + "\n")
     budget = rec.get("verify_tokens_per_request") or float("nan")

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from dspark_sglang.models.cpu_gemm import row_tiers
 from dspark_sglang.profile import SYNTHETIC_NAME, main
 
 TINY_GRID = [
@@ -44,6 +45,9 @@ def _check_report(report: dict[str, Any], model: str) -> None:
     assert set(report["hardware"]) == {"cpu", "num_threads", "cpu_gemm"}
     assert report["hardware"]["num_threads"] >= 1
     assert report["hardware"]["cpu_gemm"] in ("onednn", "mkl")
+    # the token counts the profiled forward executes at: the packed products' tiers, or none
+    tiers = list(row_tiers(2048)) if report["hardware"]["cpu_gemm"] == "onednn" else []
+    assert report["row_tiers"] == tiers
     assert report["command"].startswith("python -m dspark_sglang.profile --quick --json")
     grid = [(p["kind"], p["R"], p["tokens_per_req"], p["B"]) for p in report["points"]]
     assert grid == [
@@ -170,6 +174,8 @@ def test_write_profile_round_trips_through_the_engine_loader(tmp_path: Path) -> 
             "2",
             "--warmup",
             "0",
+            "--cpu-gemm",
+            "onednn",
             "--write-profile",
             str(out),
         ]
@@ -178,6 +184,12 @@ def test_write_profile_round_trips_through_the_engine_loader(tmp_path: Path) -> 
     prof = load_profile(out)
     assert prof.provenance.kind == "measured" and "dspark_sglang.profile" in prof.provenance.command
     assert prof.model.predict(2, 6) > prof.model.predict(1, 1) > 0
+    # the profile carries the tiers the profiled engine executes at (its report's row_tiers)
+    assert prof.buckets == prof.model.form.buckets == tuple(row_tiers(2048))
+    mkl = tmp_path / "mkl.yaml"
+    argv = ["--quick", "--json", "--cpu-gemm", "mkl", "--batch-sizes", "1,2", "--verify-lens", "0"]
+    assert main([*argv, "--repeats", "2", "--warmup", "0", "--write-profile", str(mkl)]) == 0
+    assert load_profile(mkl).buckets == ()
 
 
 def test_drafter_points_become_the_profile_draft_term(

@@ -263,7 +263,7 @@ def test_each_record_says_where_the_hosts_cpu_went(
 ) -> None:
     """On Linux every measurement carries the host's and the deployments' CPU over its window
     (bench.hostcpu): here the 'deployment' under test is this process's own group, which burns
-    CPU while serving.run runs, and the other deployment is idle (no such group)."""
+    CPU while serving.run runs, and the other deployment is idle (no such process)."""
     import os
     import time
 
@@ -274,7 +274,7 @@ def test_each_record_says_where_the_hosts_cpu_went(
 
     class FakeServer(_FakeServer):
         def __init__(self, cmd: list[str], *_: object) -> None:
-            self.pid = os.getpgrp() if "lagged" in cmd else 2**22 + 2
+            self.pid = os.getpid() if "lagged" in cmd else 2**22 + 2
 
     def busy_run(ns: object) -> dict:
         end = time.process_time() + 0.3

@@ -12,7 +12,7 @@ from dspark_sglang import LLM, SamplingParams
 from dspark_sglang.config import ConfigError, DraftConfig
 from dspark_sglang.engine import runner as runner_mod
 from dspark_sglang.engine.runner import draft_precision, native_bf16
-from dspark_sglang.models.cpu_gemm import PackedLinear
+from dspark_sglang.models.cpu_gemm import PackedLinear, row_tiers
 from dspark_sglang.models.row_buckets import RowBucketedLinear
 from tests.conftest import VOCAB, write_drafter, write_hf_model
 
@@ -149,3 +149,35 @@ def test_onednn_products_pack_target_and_drafter_and_stay_lossless(
     assert spec.stats.rounds > 0
     plain = LLM(str(target), draft_model=str(drafter), num_blocks=16, cpu_gemm="mkl")
     assert not any(isinstance(m, PackedLinear) for m in plain.runner.model.modules())
+    assert spec.runner.row_tiers == row_tiers(96) and plain.runner.row_tiers == ()
+
+
+@pytest.mark.parametrize("gemm, tiers", [("onednn", True), ("onednn", False), ("mkl", True)])
+def test_the_planner_prices_the_tier_the_runner_executes(
+    pair: tuple[Path, Path], gemm: str, tiers: bool
+) -> None:
+    """Start-up profiling: lagged's capacity model carries the runner's row tiers (a step of B
+    tokens priced at the tier above B) unless --disable-capacity-tiers or nothing is packed; a
+    profile with buckets of its own keeps them."""
+    target, drafter = pair
+    llm = LLM(
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode="lagged",
+        num_blocks=64,
+        page_size=4,
+        cpu_gemm=gemm,
+        capacity_tiers=tiers,
+        max_running_requests=4,
+        max_num_batched_tokens=64,
+        startup_profile_seconds=1.0,
+    )
+    cap = llm.planner.capacity
+    assert cap is not None
+    want = row_tiers(64) if gemm == "onednn" and tiers else ()
+    assert cap.form.buckets == want
+    if want:  # 9-12 and 13-16 tokens each cost one price
+        at = [float(cap.step_seconds(2, b, 200)) for b in range(9, 17)]
+        assert len(set(at[:4])) == 1 and len(set(at[4:])) == 1
+    else:
+        assert llm.runner.row_tiers == (() if gemm == "mkl" else row_tiers(64))

@@ -21,6 +21,7 @@ from dspark_sglang.models.cpu_gemm import (
     grid_rows,
     grid_sizes,
     pack_model,
+    row_tiers,
     use_onednn,
 )
 from dspark_sglang.models.moe import SparseMoeBlock
@@ -41,6 +42,20 @@ def test_the_grid_pads_by_less_than_half_and_is_small() -> None:
         assert m <= g < 1.5 * m and grid_rows(g) == g
     assert grid_sizes(5, 20) == [6, 8, 12, 16, 24]
     assert grid_sizes(1, 4) == [1, 2, 3, 4]
+
+
+def test_row_tiers_are_the_sizes_packed_products_execute() -> None:
+    """The capacity model's buckets: a B-token forward is priced at the smallest tier >= B, which
+    is B itself up to EXACT_TIER_ROWS and the grid size a packed product pads B to above."""
+    from dspark_sglang.algo.capacity import executed_tokens
+
+    tiers = row_tiers(2048)
+    assert tiers[:10] == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16) and tiers[-1] == 2048
+    for m in range(1, 2049):
+        want = m if m <= cpu_gemm.EXACT_TIER_ROWS else grid_rows(m)
+        assert int(executed_tokens(tiers, m)) == want
+    assert row_tiers(6) == (1, 2, 3, 4, 5, 6)
+    assert row_tiers(100) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def test_the_crossover_falls_as_the_weight_widens() -> None:
