@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from dspark_sglang.engine.profiler import (
     warm_up,
 )
 from dspark_sglang.engine.runner import ModelRunner, draft_precision
+from dspark_sglang.hostinfo import cpu_model
 from dspark_sglang.models.attention import create_backend
 from dspark_sglang.models.cpu_gemm import use_onednn
 from dspark_sglang.models.loader import torch_dtype
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "torch": torch.__version__,
         "hardware": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
             "num_threads": torch.get_num_threads(),
             "cpu_gemm": "onednn" if use_onednn(args.cpu_gemm, args.device) else "mkl",
         },

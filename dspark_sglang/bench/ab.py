@@ -34,6 +34,7 @@ from dspark_sglang.bench.serving import text_prompts
 from dspark_sglang.config import ConfigError
 from dspark_sglang.engine.engine import LLM
 from dspark_sglang.eval import HELDOUT_PROMPTS, load_prompts
+from dspark_sglang.hostinfo import host_facts
 from dspark_sglang.types import SamplingParams, StepRecord
 
 
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "tool": "dspark_sglang.bench.ab",
             "command": "python -m dspark_sglang.bench.ab " + shlex.join(argv or sys.argv[1:]),
+            "host": host_facts(),
             "concurrency": c,
             "rounds": args.rounds,
             "output_len": args.output_len,

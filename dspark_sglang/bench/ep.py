@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import tempfile
 import time
@@ -38,6 +37,7 @@ from dspark_sglang.engine.ep import LeaderRunner, create_runner
 from dspark_sglang.engine.profiler import expert_seconds
 from dspark_sglang.engine.runner import ModelRunner
 from dspark_sglang.engine.sequence import Sequence, Status
+from dspark_sglang.hostinfo import cpu_model
 from dspark_sglang.models.attention import ForwardContext, forward_context, packed_causal_metadata
 from dspark_sglang.models.moe import SparseMoeBlock
 from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
@@ -272,7 +272,7 @@ def report(
         "command": shlex.join(["python", "-m", "dspark_sglang.profile", *argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "hardware": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
             "num_cpus": os.cpu_count(),
             "num_threads_per_rank": torch.get_num_threads(),
             "load_average_1m": [round(x, 2) for x in load_average],

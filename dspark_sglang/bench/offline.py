@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -25,6 +24,7 @@ from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
 from dspark_sglang.config import ConfigError
 from dspark_sglang.engine.engine import LLM
 from dspark_sglang.eval import HELDOUT_PROMPTS, load_prompts
+from dspark_sglang.hostinfo import cpu_model
 from dspark_sglang.types import SamplingParams
 
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "dspark_sglang.bench.offline",
         "command": "python -m dspark_sglang.bench.offline " + shlex.join(argv or sys.argv[1:]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "hardware": {"cpu": platform.machine(), "threads": torch.get_num_threads()},
+        "hardware": {"cpu": cpu_model(), "threads": torch.get_num_threads()},
         "model": args.model_path,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from dspark_sglang.algo.verify_budget import parse_schedule_mode
 from dspark_sglang.capacity_profile import load_profile
 from dspark_sglang.config import ConfigError
 from dspark_sglang.engine.planner import VerifyPlanner
+from dspark_sglang.hostinfo import host_facts
 from dspark_sglang.types import StepRecord
 
 PHASES = ("budget", "rows", "skip", "plan", "observe")
@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m dspark_sglang.bench.planner " + " ".join(argv or sys.argv[1:]),
             "profile": str(args.profile),
             "numpy": np.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
+            "host": host_facts(),
         }
         print(json.dumps({"results": rows, "meta": meta}))
         return 0

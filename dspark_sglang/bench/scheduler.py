@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import numpy as np
 
 from dspark_sglang.algo import verify_budget as vb
 from dspark_sglang.algo.survival import survival
+from dspark_sglang.hostinfo import host_facts
 
 REQS = (1, 8, 64, 512)
 GAMMAS = (5, 7, 15)
@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeat": args.repeat,
             "seed": args.seed,
             "numpy": np.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
+            "host": host_facts(),
         }
         print(json.dumps({"results": rows, "meta": meta}))
         return 0

@@ -46,6 +46,7 @@ from dspark_sglang.bench.pareto import (
     throughput_at_sla,
     write_csv,
 )
+from dspark_sglang.hostinfo import host_facts
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = {
@@ -815,6 +816,7 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         "tool": "dspark_sglang.bench.simulate validate",
         "command": shlex.join(["python", "-m", "dspark_sglang.bench.simulate", *args.argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": host_facts(),  # the real engine's machine
         "profile": desc,
         "trace": bank.source,
         "speed_index": args.speed_index,

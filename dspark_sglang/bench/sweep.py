@@ -31,6 +31,7 @@ from dspark_sglang.bench.pareto import (
     throughput_at_sla,
     write_csv,
 )
+from dspark_sglang.hostinfo import cpu_model, host_facts
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("no-spec", "mtp1", "fixed:3", "verify-all", "sync", "lagged")
@@ -410,7 +411,7 @@ def measure(
     the others, and the client (this process and its children outside every deployment)."""
     before = hostcpu.read() if groups else None
     rec = serving.run(bench_args(args, policy, c, slot))
-    rec |= {"policy": policy, "concurrency": c, "pass": pass_no}
+    rec |= {"policy": policy, "concurrency": c, "pass": pass_no, "host_cpu": cpu_model()}
     after = hostcpu.read() if before is not None else None
     if before is not None and after is not None and groups:
         labels = {
@@ -671,6 +672,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool": "dspark_sglang.bench.sweep",
         "command": shlex.join(["python", "-m", "dspark_sglang.bench.sweep", *argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        # The machines the records were measured on (a replot may run elsewhere); records from
+        # before the field existed count as unknown.
+        "measured_on": sorted({r.get("host_cpu", "unknown") for r in raw}),
+        "analysed_on": host_facts(),
         "policies": policies,
         "concurrency": sorted({r["concurrency"] for r in rows}),
         "passes": max((r["passes"] for r in rows), default=0),

@@ -15,6 +15,7 @@ from dspark_sglang.config import ArchConfig, CacheConfig, ConfigError, DraftConf
 from dspark_sglang.engine.batch import ForwardBatch
 from dspark_sglang.engine.kv_cache import allocate_kv, bytes_per_block, num_blocks_for
 from dspark_sglang.engine.speculative import DraftBatch, Proposal, length_groups
+from dspark_sglang.hostinfo import CPUINFO, cpu_fields
 from dspark_sglang.models.attention import ForwardContext, forward_context
 from dspark_sglang.models.cpu_gemm import pack_model, row_tiers, use_onednn, warm_up
 from dspark_sglang.models.drafter import DSparkDrafter
@@ -203,16 +204,12 @@ class ModelRunner:
         return self.drafter.forward_block(anchors, anchor_pos, ctx, ctx_mask, block_room=True)
 
 
-def native_bf16(device: str, cpuinfo: str = "/proc/cpuinfo") -> bool:
+def native_bf16(device: str, cpuinfo: str = CPUINFO) -> bool:
     """A CPU whose matrix units take bf16 natively (AVX512-BF16 or AMX): oneDNN runs bf16 GEMMs
     4-5x faster than fp32 there, and emulates them more slowly than fp32 elsewhere."""
     if not device.startswith("cpu"):
         return False
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:  # not Linux: no way to tell, keep the target's dtype
-        return False
+    flags = cpu_fields(cpuinfo).get("flags", "").split()  # none off Linux: keep the dtype
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

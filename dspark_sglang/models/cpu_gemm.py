@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark_sglang.config import ConfigError
+from dspark_sglang.hostinfo import CPUINFO, cpu_vendor
 
 # Fit of the MKL / oneDNN crossover on the project's CPU: K*N * rows >= 2^19, from two rows up
 # (a one-row LM-head product was faster in oneDNN alone, 58 against 63 us, but a B = 1 decode
@@ -45,16 +46,12 @@ def available() -> bool:
     return True
 
 
-def amd_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+def amd_cpu(cpuinfo: str = CPUINFO) -> bool:
     """An AMD CPU (MKL picks its generic code paths on non-Intel CPUs)."""
-    try:
-        with open(cpuinfo) as f:
-            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
-    except OSError:  # not Linux: no way to tell
-        return False
+    return cpu_vendor(cpuinfo) == "AuthenticAMD"
 
 
-def use_onednn(choice: str, device: str, cpuinfo: str = "/proc/cpuinfo") -> bool:
+def use_onednn(choice: str, device: str, cpuinfo: str = CPUINFO) -> bool:
     """--cpu-gemm -> pack the fp32 weights for oneDNN? Never off the CPU; `onednn` where this
     torch has it (a clear error otherwise), `auto` on AMD CPUs where it has it."""
     if not device.startswith("cpu") or choice == "mkl":

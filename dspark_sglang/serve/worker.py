@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import platform
 import secrets
 import shlex
 import sys
@@ -25,6 +24,7 @@ from dspark_sglang.capacity_profile import live_profile
 from dspark_sglang.config import Config, ConfigError
 from dspark_sglang.engine.engine import LLMEngine
 from dspark_sglang.engine.speculative import SpecStats
+from dspark_sglang.hostinfo import cpu_model
 from dspark_sglang.serve import messages as m
 from dspark_sglang.serve.transport import Receiver, Security, Sender
 from dspark_sglang.types import StepRecord
@@ -155,7 +155,7 @@ class WorkerLink:
             f"after {est.num_observed if est is not None else 0} steps"
         )
         runner = self.engine.runner
-        hardware = f"{runner.device} ({platform.machine()}, {torch.get_num_threads()} threads)"
+        hardware = f"{runner.device} ({cpu_model()}, {torch.get_num_threads()} threads)"
         if runner.device.startswith("cuda"):
             hardware = f"{torch.cuda.get_device_name(runner.device)} ({hardware})"
         profile = live_profile(

@@ -6,15 +6,26 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "dspark_sglang"
-TOP = {"config", "types", "telemetry", "algo", "models", "engine", "serve", "sglang_plugin"}
+TOP = {
+    "config",
+    "hostinfo",
+    "types",
+    "telemetry",
+    "algo",
+    "models",
+    "engine",
+    "serve",
+    "sglang_plugin",
+}
 ALLOWED = {
     "config": set(),
+    "hostinfo": set(),
     "types": {"config"},
     "telemetry": {"config", "types"},
     "algo": {"config", "types"},
-    "models": {"config"},
-    "engine": {"config", "types", "algo", "models", "telemetry"},
-    "serve": {"config", "types", "algo", "models", "engine", "telemetry"},
+    "models": {"config", "hostinfo"},
+    "engine": {"config", "hostinfo", "types", "algo", "models", "telemetry"},
+    "serve": {"config", "hostinfo", "types", "algo", "models", "engine", "telemetry"},
     "sglang_plugin": {"config", "types", "algo", "telemetry"},
 }
 THIRD_PARTY_OWNERS = {"zmq": {"serve/transport.py"}, "sglang": {"sglang_plugin"}}

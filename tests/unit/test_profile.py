@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from dspark_sglang.hostinfo import cpu_model
 from dspark_sglang.models.cpu_gemm import row_tiers
 from dspark_sglang.profile import SYNTHETIC_NAME, main
 
@@ -44,6 +45,7 @@ def _check_report(report: dict[str, Any], model: str) -> None:
     assert isinstance(report["torch"], str) and report["date"]
     assert set(report["hardware"]) == {"cpu", "num_threads", "cpu_gemm"}
     assert report["hardware"]["num_threads"] >= 1
+    assert report["hardware"]["cpu"] == cpu_model()  # the model name, not just "x86_64"
     assert report["hardware"]["cpu_gemm"] in ("onednn", "mkl")
     # the token counts the profiled forward executes at: the packed products' tiers, or none
     tiers = list(row_tiers(2048)) if report["hardware"]["cpu_gemm"] == "onednn" else []

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from dspark_sglang.bench import sweep
+from dspark_sglang.hostinfo import cpu_model
 
 
 def _args(*extra: str) -> object:
@@ -100,6 +101,9 @@ def test_replot_from_jsonl(tmp_path: Path) -> None:
     assert sweep.main(argv) == 0
     for f in ("s.csv", "s_pareto.png", "s_load.png", "s_summary.json"):
         assert (tmp_path / f).stat().st_size > 0
+    summary = json.loads((tmp_path / "s_summary.json").read_text())
+    assert summary["measured_on"] == ["unknown"]  # records without host_cpu
+    assert summary["analysed_on"]["cpu"] == cpu_model()
 
 
 def test_passes_are_aggregated_by_median() -> None:
@@ -299,4 +303,6 @@ def test_each_record_says_where_the_hosts_cpu_went(
         assert total == pytest.approx(os.cpu_count(), rel=0.2)
     summary = json.loads((tmp_path / "s_summary.json").read_text())
     assert summary["goals"]["host_cpu"]["lagged"]["measured_deployment"] > 0.5
+    assert lag["host_cpu"] == ns["host_cpu"] == cpu_model()
+    assert summary["measured_on"] == [cpu_model()]
     assert "host CPU during each policy's runs" in capsys.readouterr().out
