@@ -228,6 +228,9 @@ class DraftConfig:
     schedule_mode: str = "verify-all"
     capacity_profile: str | None = None  # engine_profiles YAML; None = profile at start-up
     startup_profile_seconds: float = 60.0  # bound on start-up capacity profiling
+    # rounds of the start-up grid at most, each point priced at its median over them (the
+    # budget above permitting; 1 = one pass, as before 2026-12-04)
+    startup_profile_rounds: int = 5
     live_capacity: bool = True  # refit the capacity model from every step's timing
     # price a step at the token count its forward executes (the runner's row tiers: the packed
     # CPU products pad their rows to a grid), not at its own; applies to a profile without
@@ -268,6 +271,10 @@ class DraftConfig:
             raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
         if self.startup_profile_seconds <= 0:
             raise ConfigError("--startup-profile-seconds must be positive")
+        if self.startup_profile_rounds < 1:
+            raise ConfigError(
+                f"--startup-profile-rounds must be >= 1, got {self.startup_profile_rounds}"
+            )
         if self.speculative_algorithm not in ("dspark", "none"):
             raise ConfigError(
                 "--speculative-algorithm must be 'dspark' or 'none', "

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--startup-profile-seconds", type=float, default=dc.startup_profile_seconds)
     a(
+        "--startup-profile-rounds",
+        type=int,
+        default=dc.startup_profile_rounds,
+        help="rounds of the start-up grid at most, each point priced at its median over them "
+        f"(default {dc.startup_profile_rounds}; 1 = one pass)",
+    )
+    a(
         "--disable-capacity-tiers",
         dest="capacity_tiers",
         action="store_false",
@@ -236,6 +243,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             schedule_mode=args.schedule_mode,
             capacity_profile=args.capacity_profile,
             startup_profile_seconds=args.startup_profile_seconds,
+            startup_profile_rounds=args.startup_profile_rounds,
             capacity_tiers=args.capacity_tiers,
             min_user_tps=args.min_user_tps,
             overlap=args.overlap,

@@ -39,6 +39,7 @@ from dspark_sglang.engine.handoff import SeqHandoff
 from dspark_sglang.engine.kv_cache import slots
 from dspark_sglang.engine.planner import Plan, VerifyPlanner
 from dspark_sglang.engine.profiler import (
+    GridPoint,
     ep_load_term,
     startup_grid,
     time_draft,
@@ -174,6 +175,7 @@ class LLMEngine:
         if config.draft.context_only and self.mode.name in ("sync", "lagged"):
             raise ConfigError(f"a context_only engine never drafts: {self.mode.name} has no use")
         self.stats = SpecStats(self.gamma)
+        self.startup_rounds = 0  # rounds of start-up profiling run (0: none)
         self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
         self._draft_seconds = 0.0
@@ -228,8 +230,16 @@ class LLMEngine:
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:
-        """Start-up profiling (DESIGN §4): time a bounded grid of verify forwards, fit the
-        additive form; the live estimator refines it from real steps afterwards."""
+        """Start-up profiling (DESIGN §4): time a bounded grid of verify forwards and the
+        drafter, fit the additive form; the live estimator refines it from real steps afterwards.
+
+        Round 0 times each point back to back (as the budget allows, cheapest first); further
+        rounds, while the budget has room for one, time every point once more, the order
+        reversed each round, and each point keeps its median over rounds. On the 2-core VM the
+        host's speed moved 1.2-1.7x within one process over seconds (docs/capacity.md), so one
+        3-second pass could catch the large shapes in a slow spell: an R = 2, 16-token verify
+        was priced at 9.05 ms where it took 7.54, and lagged trimmed drafts that cost nothing
+        to verify. Rounds spread every point over the same stretch of time."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
@@ -243,39 +253,60 @@ class LLMEngine:
         )
         if points:
             warm_up(self.runner, self.pool, points[0], gen)
-        rows = []
+        fwd: dict[GridPoint, list[float]] = {}
         for p in tqdm(points, desc="capacity profile", leave=False):
-            if rows and time.perf_counter() - t0 > budget_s:
+            if fwd and time.perf_counter() - t0 > budget_s:
                 break
-            rows.append(time_point(self.runner, self.pool, p, repeats=3, warmup=1, gen=gen))
-        r, b, c, s = (
-            np.array([row[k] for row in rows], dtype=np.float64)
-            for k in ("R", "B", "ctx", "median_s")
+            fwd[p] = [time_point(self.runner, self.pool, p, 3, 1, gen)["median_s"]]
+        timed = list(fwd)
+        draft_ctx = max(max(p.ctx for p in timed), 16)
+        draft = {n: [self._time_draft(n, draft_ctx, 3, gen)] for n in self._draft_reqs(timed)}
+        # A later round runs 2 forwards (or drafts) a point where round 0 ran 4.
+        last = (time.perf_counter() - t0) / 2
+        self.startup_rounds = 1
+        while self.startup_rounds < self.config.draft.startup_profile_rounds:
+            started = time.perf_counter()
+            if started - t0 + last > budget_s:
+                break
+            for p in timed[:: -1 if self.startup_rounds % 2 else 1]:
+                fwd[p].append(time_point(self.runner, self.pool, p, 1, 1, gen)["median_s"])
+            for n, secs in draft.items():
+                secs.append(self._time_draft(n, draft_ctx, 1, gen))
+            last = time.perf_counter() - started
+            self.startup_rounds += 1
+        r, b, c = (
+            np.array([getattr(p, k) for p in timed], np.float64)
+            for k in ("num_reqs", "num_tokens", "ctx")
         )
-        draft = self._profile_draft(gen, int(r.max()), int(c.max()))
+        s = np.array([np.median(fwd[p]) for p in timed])
+        reqs = sorted(draft)
+        secs = [float(np.median(draft[n])) for n in reqs]
+        draft_curve = Curve(tuple(float(x) for x in reqs), tuple(np.maximum.accumulate(secs)))
         moe = None
         if self.config.parallel.ep_size > 1:  # the busiest rank's expert time (docs/ep.md)
             moe = ep_load_term(self.runner, self.config.parallel.ep_size, int(b.max()))
             s = s - moe.seconds(b.astype(np.int64))
         # The step records' ctx is the attended context summed over requests.
         try:
-            return CapacityModel(fit_additive(r, b, r * c + b, s), moe, draft=draft)
+            return CapacityModel(fit_additive(r, b, r * c + b, s), moe, draft=draft_curve)
         except ValueError:
             # Too few or too noisy points for the additive form (tiny models on a busy host):
             # a per-B table of medians is always fittable; the live estimator refines it.
             buckets = tuple(int(x) for x in np.unique(b))
-            return CapacityModel(fit_table(b, s, buckets), moe, draft=draft)
+            return CapacityModel(fit_table(b, s, buckets), moe, draft=draft_curve)
 
-    def _profile_draft(self, gen: torch.Generator, max_reqs: int, ctx: int) -> Curve:
-        """The drafter's seconds per step vs R, at the grid's largest context (the draft term;
-        the live estimator tracks it from every drafting step afterwards)."""
-        ctx = max(ctx, 16)
+    def _draft_reqs(self, timed: list[GridPoint]) -> list[int]:
+        """The R the drafter is timed at: 1, 2, 4, ... up to the grid's, as the pool holds them
+        at the grid's largest context (the draft term is a curve over R only)."""
+        ctx = max(max(p.ctx for p in timed), 16)
         fits = self.pool.num_free_blocks // -(-(ctx + 1) // self.pool.page_size)
-        reqs = [x for x in (1, 2, 4, 8, 16, 32, 64) if x <= min(max_reqs, fits)] or [1]
-        secs = [
-            time_draft(self.runner, self.pool, n, ctx, repeats=3, warmup=1, gen=gen) for n in reqs
-        ]
-        return Curve(tuple(float(x) for x in reqs), tuple(np.maximum.accumulate(secs).tolist()))
+        top = min(max(p.num_reqs for p in timed), fits)
+        return [x for x in (1, 2, 4, 8, 16, 32, 64) if x <= top] or [1]
+
+    def _time_draft(self, num_reqs: int, ctx: int, repeats: int, gen: torch.Generator) -> float:
+        """The drafter's seconds for one step at R = num_reqs (the live estimator tracks the
+        draft term from every drafting step afterwards)."""
+        return time_draft(self.runner, self.pool, num_reqs, ctx, repeats, 1, gen)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(

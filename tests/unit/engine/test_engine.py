@@ -157,3 +157,99 @@ def test_deferred_draft_context_keeps_the_newest_row_of_a_reused_slot() -> None:
     # distinct slots (no block reused between two flushes): nothing to resolve, write them as is
     assert _last_of_each(torch.tensor([4, 7, 9])) is None
     assert _last_of_each(torch.tensor([], dtype=torch.long)) is None
+
+
+class _FakeClock:
+    """engine.time for start-up profiling: seconds advance only as the fake timers say."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _fake_profiling(monkeypatch: pytest.MonkeyPatch) -> tuple[dict, dict]:
+    """Fake forward and drafter timers on a fake clock. Each grid point's second timing is 10x
+    its true price (a slow spell of the host); returns (timings per point, fit inputs)."""
+    from collections import Counter
+
+    from dspark_sglang.engine import engine as engine_mod
+
+    clock = _FakeClock()
+    calls: Counter = Counter()
+    fit_in: dict = {}
+
+    def price(p) -> float:  # p: a GridPoint
+        return 1e-3 * (1 + p.num_reqs + 0.1 * p.num_tokens + 1e-3 * p.ctx)
+
+    def fake_point(runner, pool, p, repeats, warmup, gen) -> dict:
+        calls[p] += 1
+        clock.now += 0.01 * (repeats + warmup)
+        return {"median_s": price(p) * (10.0 if calls[p] == 2 else 1.0)}
+
+    def fake_draft(runner, pool, n, ctx, repeats, warmup, gen) -> float:
+        clock.now += 0.01 * (repeats + warmup)
+        return 1e-3 * n
+
+    real_fit = engine_mod.fit_additive
+
+    def spy(r, b, c, s):
+        fit_in.update(r=r.copy(), b=b.copy(), s=s.copy(), price=price)
+        return real_fit(r, b, c, s)
+
+    monkeypatch.setattr(engine_mod, "time", clock)
+    monkeypatch.setattr(engine_mod, "time_point", fake_point)
+    monkeypatch.setattr(engine_mod, "time_draft", fake_draft)
+    monkeypatch.setattr(engine_mod, "fit_additive", spy)
+    return calls, fit_in
+
+
+def _lagged(tmp_path: Path, budget_s: float, rounds: int = 5) -> LLM:
+    from tests.conftest import write_model_pair
+
+    target, drafter = write_model_pair(tmp_path)
+    return LLM(
+        str(target),
+        draft_model=str(drafter),
+        schedule_mode="lagged",
+        num_blocks=128,
+        page_size=4,
+        max_running_requests=4,
+        startup_profile_seconds=budget_s,
+        startup_profile_rounds=rounds,
+    )
+
+
+def test_startup_profile_prices_each_point_at_its_median_over_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With budget to spare, every grid point is timed in --startup-profile-rounds rounds and
+    priced at its median: one slow spell per point (10x) leaves the fit's inputs at the true
+    prices. One round (the old single pass) keeps the spell out too: it is the second timing."""
+    calls, fit_in = _fake_profiling(monkeypatch)
+    llm = _lagged(tmp_path, budget_s=100.0)
+    assert llm.startup_rounds == llm.config.draft.startup_profile_rounds == 5
+    assert calls and set(calls.values()) == {5}
+    want = sorted(fit_in["price"](p) for p in calls)
+    assert sorted(fit_in["s"].tolist()) == pytest.approx(want)
+
+
+def test_startup_profile_keeps_to_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget spent in round 0 runs no further round (and round 0 still times one point)."""
+    calls, _ = _fake_profiling(monkeypatch)
+    llm = _lagged(tmp_path, budget_s=1e-6)
+    assert llm.startup_rounds == 1
+    assert list(calls.values()) == [1]  # the cheapest point, once
+    assert llm.planner is not None and llm.planner.capacity is not None
+
+
+def test_one_startup_round_is_the_single_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, fit_in = _fake_profiling(monkeypatch)
+    llm = _lagged(tmp_path, budget_s=100.0, rounds=1)
+    assert llm.startup_rounds == 1 and set(calls.values()) == {1}
+    assert sorted(fit_in["s"].tolist()) == pytest.approx(sorted(fit_in["price"](p) for p in calls))

@@ -28,6 +28,7 @@ def model(tmp_path: Path) -> Path:
         (["--zmq-decode-addrs", "tcp://10.1.2.3:9"], "--zmq-curve-dir"),
         (["--zmq-hmac-key-file", "/nonexistent"], "--zmq-hmac-key-file /nonexistent"),
         (["--port", "0"], "--port"),
+        (["--startup-profile-rounds", "0"], "--startup-profile-rounds must be >= 1"),
     ],
 )
 def test_cli_errors_name_the_flag(
