@@ -281,7 +281,7 @@ class LLMEngine:
         s = np.array([np.median(fwd[p]) for p in timed])
         reqs = sorted(draft)
         secs = [float(np.median(draft[n])) for n in reqs]
-        draft_curve = Curve(tuple(float(x) for x in reqs), tuple(np.maximum.accumulate(secs)))
+        draft_curve = Curve(tuple(map(float, reqs)), tuple(np.maximum.accumulate(secs).tolist()))
         moe = None
         if self.config.parallel.ep_size > 1:  # the busiest rank's expert time (docs/ep.md)
             moe = ep_load_term(self.runner, self.config.parallel.ep_size, int(b.max()))

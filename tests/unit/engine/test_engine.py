@@ -233,6 +233,8 @@ def test_startup_profile_prices_each_point_at_its_median_over_rounds(
     assert calls and set(calls.values()) == {5}
     want = sorted(fit_in["price"](p) for p in calls)
     assert sorted(fit_in["s"].tolist()) == pytest.approx(want)
+    draft = llm.planner.capacity.draft  # plain floats: a live profile writes it as YAML
+    assert all(type(x) is float for x in (*draft.knots, *draft.values))
 
 
 def test_startup_profile_keeps_to_its_budget(
