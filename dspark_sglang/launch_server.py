@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         "untested and priced within this share of the best plan (0 = never; default %(default)s)",
     )
     a(
+        "--disable-lag-shrink",
+        dest="lag_shrink",
+        action="store_false",
+        help="lagged mode: plan K from the lagged confidences at face value (default: pulled "
+        "toward the average by how much of them held up lag steps later, learned live)",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -249,6 +256,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overlap=args.overlap,
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,
+            lag_shrink=args.lag_shrink,
             draft_dtype=args.draft_dtype,
         ),
         seed=args.seed,

@@ -36,6 +36,7 @@ PAPER_ACCEPTANCE = {
     "chat": (0.76, 0.75, 0.74, 0.74, 0.74, 0.74, 0.74),
 }
 SPEC_FREE = "no-spec"
+FACE_VALUE = "face"  # policy suffix @face: lagged confidences at face value (no LagShrink)
 
 
 # -- acceptance / confidence traces ----------------------------------------------------------
@@ -359,12 +360,21 @@ class ServingPolicy(Policy):
         capacity: CapacityModel,
         min_user_tps: float,
         selective: bool = True,
+        lag_shrink: bool = True,
     ) -> None:
         self.name = mode
         m = parse_schedule_mode(mode)
         needs = m.name in ("sync", "lagged")
         self.planner = VerifyPlanner(
-            m, gamma, capacity if needs else None, None, False, min_user_tps, False, selective
+            m,
+            gamma,
+            capacity if needs else None,
+            None,
+            False,
+            min_user_tps,
+            False,
+            selective,
+            lag_shrink=lag_shrink,
         )
 
     def plan(
@@ -471,7 +481,8 @@ class Frozen(Policy):
 def make_policy(
     name: str, gamma: int, capacity: CapacityModel, min_user_tps: float = 0.0
 ) -> Policy:
-    """no-spec | oracle | lagged:0 | frozen-uniform:X | frozen-topk:X | any --schedule-mode."""
+    """no-spec | oracle | lagged:0 | frozen-uniform:X | frozen-topk:X | any --schedule-mode;
+    MODE@face: that mode with its lagged confidences at face value (--disable-lag-shrink)."""
     if name == SPEC_FREE:
         return NoSpec()
     if name == "oracle":
@@ -481,7 +492,12 @@ def make_policy(
     if name.startswith("frozen-"):
         kind, _, x = name.partition(":")
         return Frozen(float(x), ranked=kind == "frozen-topk")
-    return ServingPolicy(name, gamma, capacity, min_user_tps)
+    mode, _, variant = name.partition("@")
+    if variant not in ("", FACE_VALUE):
+        raise ValueError(f"policy {name!r}: unknown variant {variant!r} (known: {FACE_VALUE})")
+    policy = ServingPolicy(mode, gamma, capacity, min_user_tps, lag_shrink=variant != FACE_VALUE)
+    policy.name = name
+    return policy
 
 
 # -- the simulation --------------------------------------------------------------------------

@@ -227,6 +227,7 @@ class LLMEngine:
             overlap,
             cfg.selective_draft,
             cfg.explore_ratio,
+            cfg.lag_shrink,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

@@ -19,6 +19,7 @@ from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator, r_bi
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
+    LagShrink,
     SurvivalCorrection,
     SurvivalHistory,
     stratified_rows,
@@ -161,6 +162,29 @@ def _charged_sps(sps: np.ndarray, r: int, skip_s: float) -> np.ndarray:
     return out
 
 
+def _center(prior: AcceptancePrior, pool: np.ndarray | None) -> np.ndarray:
+    """The average survival row LagShrink measures departures from: the pool's (rows drafted
+    without selection, on the lagged rows' own scale) once it holds POOL_MIN, else the prior's."""
+    if pool is not None and pool.shape[0] >= POOL_MIN:
+        return pool.mean(axis=0)
+    return prior.survival
+
+
+def _shrunk_lagged(
+    history: SurvivalHistory,
+    ids: np.ndarray,
+    lag: int,
+    prior: AcceptancePrior,
+    pool: np.ndarray | None,
+    rho: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """history.lagged_with_hits, the rows it held pulled toward the average row by `rho`."""
+    lagged, hit = history.lagged_with_hits(ids, lag, prior)
+    if rho < 1.0 and hit.any():
+        lagged[hit] = LagShrink.apply(lagged[hit], _center(prior, pool), rho)
+    return lagged, hit
+
+
 def _batch_key(ids: object, max_len: object) -> tuple[bytes, bytes]:
     """A batch by value: its request ids and their verify caps."""
     return np.asarray(ids, np.int64).tobytes(), np.asarray(max_len, np.int64).tobytes()
@@ -191,6 +215,7 @@ class VerifyPlanner:
         overlap: bool,
         selective: bool = False,
         explore_ratio: float = EXPLORE_RATIO,
+        lag_shrink: bool = True,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
@@ -203,7 +228,14 @@ class VerifyPlanner:
         self._queued: list[StepRecord] = []  # records of plain steps not fed to the estimator yet
         self.min_user_tps = min_user_tps
         self.prior = AcceptancePrior.uniform(gamma)
-        self.history = SurvivalHistory(depth=max(mode.lag, 1))
+        # lagged: one snapshot more than K reads, so observe() still finds the rows this step's
+        # K was planned from once plan() pushed its own (LagShrink learns from them)
+        lagged = mode.name == "lagged"
+        self.history = SurvivalHistory(depth=max(mode.lag, 1) + lagged)
+        # how much of a lagged row's departure from the average row K believes (LagShrink); it
+        # learns in lagged mode either way, and K applies it only when `lag_shrink`
+        self.lag_fit = LagShrink()
+        self._shrinks = lag_shrink and lagged
         self._worker = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
         # next step's K: computing on the worker, or known (memo hit: no Future to build)
         self._next_k: Future[KPlan] | KPlan | None = None
@@ -293,7 +325,9 @@ class VerifyPlanner:
         if memo is not None and memo[0] == key and memo[1] == k:  # budget() found them with K
             keep = memo[2]
         else:
-            lagged = self.history.lagged(np.asarray(ids), self.mode.lag, self.prior)
+            lagged, _ = _shrunk_lagged(
+                self.history, np.asarray(ids), self.mode.lag, self.prior, self._pool, self._rho()
+            )
             keep = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len))
         return None if keep.size == 0 or draft[keep.size] >= draft[-1] else keep
 
@@ -504,6 +538,9 @@ class VerifyPlanner:
             "probe_every": self._probe_every,
             "steps_since_draft": self._since_draft,
             "fallbacks": dict(self.fallbacks),
+            "lag_shrink": self.lag_fit.rho,
+            "lag_slope": self.lag_fit.slope,
+            "lag_shrink_applied": self._shrinks,
         }
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
@@ -544,6 +581,7 @@ class VerifyPlanner:
             ml.tobytes(),
             self._explore(ids.size),
             self._skip_charge(ids.size),
+            self._rho(),
         )
 
     def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
@@ -585,6 +623,7 @@ class VerifyPlanner:
         pool: np.ndarray | None = None,
         explore: bool = False,
         skip_charge: float = 0.0,
+        rho: float = 1.0,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
@@ -592,8 +631,9 @@ class VerifyPlanner:
         then picks among them all, which the pool's spread prices and the prior's mean does not.
         `explore`: the drafter's price at this R is untested, and the whole batch is drafted
         while priced within EXPLORE_RATIO of the best plan. `skip_charge`: seconds a K = 0 step is
-        charged for the resume it causes (`_skip_charge`)."""
-        lagged, hit = history.lagged_with_hits(ids, self.mode.lag, prior)
+        charged for the resume it causes (`_skip_charge`). `rho`: how much of a lagged row's
+        departure from the average row to believe (LagShrink)."""
+        lagged, hit = _shrunk_lagged(history, ids, self.mode.lag, prior, pool, rho)
         tps = self.min_user_tps
         absent = ~hit
         fill = None
@@ -720,6 +760,8 @@ class VerifyPlanner:
     ) -> None:
         if not verify_lens.any():  # a K = 0 step verified nothing: nothing to learn
             return
+        if self.plans_before_drafting and ids:
+            self._learn_lag(np.asarray(ids, np.int64), verify_lens, accepted)
         self.prior = self.prior.observe(verify_lens, accepted)
         drafted = self._drafted
         if not self._corrects or drafted is None or not ids:
@@ -737,6 +779,23 @@ class VerifyPlanner:
             first = survival(self.correction.apply(conf))
         self.surv_correction = self.surv_correction.observe(first, lens, acc)
         self.correction = self.correction.observe(conf, lens, acc)
+
+    def _rho(self) -> float:
+        """The LagShrink factor K applies, in steps of 1/32 (a K memo survives small moves);
+        1 (face value) unless lag shrinking is on."""
+        return round(self.lag_fit.rho * 32.0) / 32.0 if self._shrinks else 1.0
+
+    def _learn_lag(self, ids: np.ndarray, verify_lens: np.ndarray, accepted: np.ndarray) -> None:
+        """Fold the verified rows that had a lagged row into LagShrink: the snapshot this step's
+        K read is `lag + 1` pushes back now that plan() pushed this step's own."""
+        lag = self.mode.lag + 1
+        if len(self.history.snapshots) < lag:
+            return
+        old, hit = self.history.lagged_with_hits(ids, lag, self.prior)
+        if not hit.any():
+            return
+        center = _center(self.prior, self._pool)
+        self.lag_fit = self.lag_fit.observe(old[hit], center, verify_lens[hit], accepted[hit])
 
     def close(self) -> None:
         self.flush_records()

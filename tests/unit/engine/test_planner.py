@@ -628,3 +628,52 @@ def test_the_planner_state_reports_what_it_learned() -> None:
     after = json.loads(json.dumps(p.state()))
     assert all(a > 0.5 for a in after["prior_rates"]) and after["prior_trials"] == [1.0] * 4
     assert all(r > 1.0 for r in after["confidence_ratios"])
+
+
+@pytest.mark.parametrize("shrinks", [True, False])
+def test_lagged_k_reads_a_pessimistic_lagged_row_as_far_as_such_rows_held_up(
+    shrinks: bool,
+) -> None:
+    """A lagged row far below the average makes K = 0 at face value; once LagShrink has learned
+    that such departures did not hold two steps later (ρ = 0), K reads the average row and drafts.
+    With lag shrinking off the planner learns ρ all the same but plans at face value."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.survival import AcceptancePrior, LagShrink
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    # a forward of 10-20 ms, and a drafter adding 10 ms: drafting pays from ~1 accepted draft
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)), draft=Curve((1.0, 64.0), (0.01, 0.01)))
+    mode = parse_schedule_mode("lagged")
+    p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, lag_shrink=shrinks)
+    p.prior = AcceptancePrior((0.9, 0.9, 0.9, 0.9), trials=(100.0,) * 4)
+    low = np.array([[0.2, 0.04, 0.01, 0.0]])
+    for _ in range(mode.lag):
+        p.history = p.history.push(np.array([7]), low)
+    ids, max_len = [7], np.array([4])
+    assert p.budget(ids, max_len, 10) == 0  # nothing learned yet: face value
+    # departures from the average that came to nothing: y stays 0 whatever x was
+    p.lag_fit = LagShrink(n=100.0, sx=0.0, sy=0.0, sxx=100.0, sxy=-8.0)
+    assert p.lag_fit.rho == 0.0 and p.state()["lag_shrink"] == 0.0
+    assert (p.budget(ids, max_len, 10) > 0) is shrinks
+    assert p.state()["lag_shrink_applied"] is shrinks
+
+
+def test_observe_feeds_lag_shrink_the_row_this_steps_k_was_planned_from() -> None:
+    """observe() runs after plan() pushed this step's own survival: the row K read is `lag + 1`
+    pushes back, and only verified rows that had one are folded in."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.survival import AcceptancePrior
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 2, cap, None, False, 0.0, False)
+    p.prior = AcceptancePrior((0.5, 0.5), trials=(100.0,) * 2)  # center [0.5, 0.25]
+    p.history = p.history.push(np.array([3]), np.array([[0.9, 0.8]]))  # the row K read (lag 2)
+    p.history = p.history.push(np.array([3]), np.array([[0.1, 0.0]]))
+    p.history = p.history.push(np.array([3, 4]), np.array([[0.1, 0.0], [0.1, 0.0]]))  # this step
+    p.observe_acceptance(np.array([2, 2]), np.array([2, 0]), [3, 4])  # 4 had no lagged row
+    fit = p.lag_fit
+    assert fit.n == pytest.approx(1.0)
+    assert fit.sx == pytest.approx(0.9 + 0.8 - 0.75) and fit.sy == pytest.approx(2 - 0.75)
