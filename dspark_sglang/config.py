@@ -251,9 +251,10 @@ class DraftConfig:
     # docs/scheduler.md "Exploring an untested drafter price")
     explore_ratio: float = 0.75
     # lagged mode: K reads a lagged survival row's departure from the average row only as far as
-    # it held up lag steps later, a factor learned from verified drafts (algo.survival.LagShrink;
-    # docs/scheduler.md "Regression to the mean"). False: at face value, as before 2026-12-04.
-    lag_shrink: bool = True
+    # such departures held up lag steps later (algo.survival.LagShrink, learned from verified
+    # drafts either way and reported in the planner's state). Off: A/B runs on the CPU engine
+    # measured no difference (docs/scheduler.md "How much of a lagged row holds up").
+    lag_shrink: bool = False
     # The drafter's weights and context K/V. auto = the target's dtype, except that an fp32
     # target on a CPU with native bf16 matrix instructions gets bf16 products of 16 rows or more
     # (4-5x faster GEMMs there: served drafter 44.4 -> 28.1 ms a pass at R = 64; docs/engine.md).

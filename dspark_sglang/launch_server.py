@@ -114,11 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         "untested and priced within this share of the best plan (0 = never; default %(default)s)",
     )
     a(
-        "--disable-lag-shrink",
+        "--enable-lag-shrink",
         dest="lag_shrink",
-        action="store_false",
-        help="lagged mode: plan K from the lagged confidences at face value (default: pulled "
-        "toward the average by how much of them held up lag steps later, learned live)",
+        action="store_true",
+        help="lagged mode: plan K from lagged confidences pulled toward the average row by how "
+        "far such departures held up lag steps later, learned live (default: face value)",
     )
     a(
         "--ep-size",

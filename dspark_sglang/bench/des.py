@@ -36,7 +36,7 @@ PAPER_ACCEPTANCE = {
     "chat": (0.76, 0.75, 0.74, 0.74, 0.74, 0.74, 0.74),
 }
 SPEC_FREE = "no-spec"
-FACE_VALUE = "face"  # policy suffix @face: lagged confidences at face value (no LagShrink)
+SHRINK = "shrink"  # policy suffix @shrink: LagShrink applied to the lagged K
 
 
 # -- acceptance / confidence traces ----------------------------------------------------------
@@ -360,7 +360,7 @@ class ServingPolicy(Policy):
         capacity: CapacityModel,
         min_user_tps: float,
         selective: bool = True,
-        lag_shrink: bool = True,
+        lag_shrink: bool = False,
     ) -> None:
         self.name = mode
         m = parse_schedule_mode(mode)
@@ -482,7 +482,7 @@ def make_policy(
     name: str, gamma: int, capacity: CapacityModel, min_user_tps: float = 0.0
 ) -> Policy:
     """no-spec | oracle | lagged:0 | frozen-uniform:X | frozen-topk:X | any --schedule-mode;
-    MODE@face: that mode with its lagged confidences at face value (--disable-lag-shrink)."""
+    MODE@shrink: that mode with LagShrink applied to its lagged K (--enable-lag-shrink)."""
     if name == SPEC_FREE:
         return NoSpec()
     if name == "oracle":
@@ -493,9 +493,9 @@ def make_policy(
         kind, _, x = name.partition(":")
         return Frozen(float(x), ranked=kind == "frozen-topk")
     mode, _, variant = name.partition("@")
-    if variant not in ("", FACE_VALUE):
-        raise ValueError(f"policy {name!r}: unknown variant {variant!r} (known: {FACE_VALUE})")
-    policy = ServingPolicy(mode, gamma, capacity, min_user_tps, lag_shrink=variant != FACE_VALUE)
+    if variant not in ("", SHRINK):
+        raise ValueError(f"policy {name!r}: unknown variant {variant!r} (known: {SHRINK})")
+    policy = ServingPolicy(mode, gamma, capacity, min_user_tps, lag_shrink=variant == SHRINK)
     policy.name = name
     return policy
 

@@ -215,7 +215,7 @@ class VerifyPlanner:
         overlap: bool,
         selective: bool = False,
         explore_ratio: float = EXPLORE_RATIO,
-        lag_shrink: bool = True,
+        lag_shrink: bool = False,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)

@@ -337,12 +337,12 @@ def test_validate_rejects_zero_repeats_naming_the_flag(capsys: pytest.CaptureFix
     assert "--repeats" in capsys.readouterr().err
 
 
-def test_a_face_value_variant_runs_lagged_without_lag_shrink() -> None:
+def test_a_shrink_variant_runs_lagged_with_lag_shrink() -> None:
     from dspark_sglang.bench.des import ServingPolicy, make_policy
 
-    pol = make_policy("lagged@face", 4, flat())
-    assert isinstance(pol, ServingPolicy) and pol.name == "lagged@face"
-    assert pol.planner.state()["lag_shrink_applied"] is False
-    assert make_policy("lagged", 4, flat()).planner.state()["lag_shrink_applied"] is True
+    pol = make_policy("lagged@shrink", 4, flat())
+    assert isinstance(pol, ServingPolicy) and pol.name == "lagged@shrink"
+    assert pol.planner.state()["lag_shrink_applied"] is True
+    assert make_policy("lagged", 4, flat()).planner.state()["lag_shrink_applied"] is False
     with pytest.raises(ValueError, match="unknown variant"):
         make_policy("lagged@nope", 4, flat())

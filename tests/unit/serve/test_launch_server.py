@@ -70,9 +70,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.draft.selective_draft  # lagged drafts only the rows K admits unless told not to
     whole = build_parser().parse_args(["--model-path", str(model), "--disable-selective-draft"])
     assert not config_from_args(whole).draft.selective_draft
-    assert cfg.draft.lag_shrink  # lagged reads its lagged confidences as far as they held up
-    face = build_parser().parse_args(["--model-path", str(model), "--disable-lag-shrink"])
-    assert not config_from_args(face).draft.lag_shrink
+    assert not cfg.draft.lag_shrink  # lagged reads its lagged confidences at face value
+    shrunk = build_parser().parse_args(["--model-path", str(model), "--enable-lag-shrink"])
+    assert config_from_args(shrunk).draft.lag_shrink
 
 
 def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
