@@ -7,6 +7,11 @@ decode steps' realised rate (tokens emitted per second of step time), tokens a s
 the drafter ran, median step / forward / drafter / host milliseconds, the capacity model's
 median predicted / measured step time, and for lagged the tokens emitted over the tokens its K
 was planned on (the lagged survival's top K: what the lag costs the choice of K).
+Then each policy's forward and drafter time at identical shapes over a reference policy's
+(`--speed-reference`, default verify-all): two deployments of one engine should run the same
+forward, (R, B), in the same time, and on a shared host they do not (a served sweep on the
+2-core VM: both lagged deployments ran them 7 % slower than verify-all's, one pass 15 %, the
+next 2 %), which a throughput ratio between them cannot tell from a policy's effect.
 Request-level throughput mixes arrivals, tails and prefill into every number; these rates
 compare the policies' steps at equal load, which is what a verify schedule decides. Reads the
 logs only: no engine, no network.
@@ -43,6 +48,7 @@ class _Step(msgspec.Struct):
     num_draft_reqs: int = 0
     num_accepted: int = 0
     planned_tokens: float | None = None
+    draft_resumed: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,74 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
     return rows
 
 
+# steps each log needs at a shape (R, B) before its median forward time counts
+MIN_SHAPE_STEPS = 10
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    policy: str
+    reference: str
+    r_lo: int  # 0, 0: every R
+    r_hi: int
+    shapes: int  # (R, B) with MIN_SHAPE_STEPS steps in both logs
+    forward_ratio: float  # median over those shapes of median forward / reference's; nan: none
+    draft_sizes: int  # R whose steady whole-batch drafter runs both logs timed enough
+    drafter_ratio: float
+
+
+def _by_shape(steps: list[_Step]) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+    """Median forward seconds per (R, B), and median drafter seconds per R over steady runs that
+    drafted every row (not resumed after plain steps), where MIN_SHAPE_STEPS steps had one."""
+    fwd: dict[tuple[int, int], list[float]] = {}
+    draft: dict[int, list[float]] = {}
+    for s in steps:
+        if s.forward_seconds is not None and math.isfinite(s.forward_seconds):
+            fwd.setdefault((s.num_reqs, s.num_tokens), []).append(s.forward_seconds)
+        if s.draft_seconds > 0.0 and s.num_draft_reqs == s.num_reqs and not s.draft_resumed:
+            draft.setdefault(s.num_reqs, []).append(s.draft_seconds)
+    med = lambda d: {k: float(np.median(v)) for k, v in d.items() if len(v) >= MIN_SHAPE_STEPS}
+    return med(fwd), med(draft)
+
+
+def speed_rows(logs: dict[str, list[_Step]], reference: str) -> list[SpeedRow]:
+    """Each other policy's time at identical shapes over `reference`'s, per R bin and overall."""
+    ref_fwd, ref_draft = _by_shape(logs[reference])
+    rows = []
+    for policy, steps in logs.items():
+        if policy == reference:
+            continue
+        fwd, draft = _by_shape(steps)
+        f = {k: fwd[k] / ref_fwd[k] for k in fwd.keys() & ref_fwd.keys()}
+        d = {r: draft[r] / ref_draft[r] for r in draft.keys() & ref_draft.keys()}
+        bins = sorted({r_bin_bounds(r) for r, _ in f} | {r_bin_bounds(r) for r in d})
+        for lo, hi in [*bins, (0, 0)]:
+            fb = [v for (r, _), v in f.items() if lo <= r <= hi or hi == 0]
+            db = [v for r, v in d.items() if lo <= r <= hi or hi == 0]
+            rows.append(
+                SpeedRow(policy, reference, lo, hi, len(fb), _median(fb), len(db), _median(db))
+            )
+    return rows
+
+
+def print_speed(rows: list[SpeedRow]) -> None:
+    if not rows:
+        return
+    print(
+        f"time at identical shapes over {rows[0].reference}'s (median over (R, B) shapes / R "
+        f"with >= {MIN_SHAPE_STEPS} steps in both logs; 1 = as fast):"
+    )
+    print(
+        f"{'R':>7s} {'policy':14s} {'shapes':>6s} {'forward':>8s} {'R drafted':>9s} {'drafter':>8s}"
+    )
+    for r in rows:
+        rng = "all" if r.r_hi == 0 else f"{r.r_lo}" if r.r_lo == r.r_hi else f"{r.r_lo}-{r.r_hi}"
+        print(
+            f"{rng:>7s} {r.policy:14s} {r.shapes:6d} {_fmt(r.forward_ratio, '8.3f')} "
+            f"{r.draft_sizes:9d} {_fmt(r.drafter_ratio, '8.3f')}"
+        )
+
+
 def find_logs(folder: Path, worker: str) -> dict[str, Path]:
     """{policy: log}: FOLDER/<worker>.steps.jsonl is one policy (named by the folder), else each
     subfolder holding one is."""
@@ -148,6 +222,14 @@ def find_logs(folder: Path, worker: str) -> dict[str, Path]:
         sub.name: sub / f"{worker}{LOG_SUFFIX}"
         for sub in sorted(folder.iterdir())
         if (sub / f"{worker}{LOG_SUFFIX}").is_file()
+    }
+
+
+def _plain(row: BinRow | SpeedRow) -> dict[str, object]:
+    """A row as JSON/CSV values: nan as None."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v
+        for k, v in asdict(row).items()
     }
 
 
@@ -184,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-steps", type=int, default=20, help="hide bins with fewer steps")
     ap.add_argument("--csv", type=Path, help="write the rows as CSV here")
     ap.add_argument("--json", type=Path, help="write the rows and the command as JSON here")
+    ap.add_argument(
+        "--speed-reference",
+        default="verify-all",
+        metavar="POLICY",
+        help="compare each policy's time at identical shapes with this one's (default "
+        "%(default)s; absent: the first policy read)",
+    )
     args = ap.parse_args(argv)
     if args.min_steps < 1:
         ap.error("--min-steps must be >= 1")
@@ -199,15 +288,19 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"DIR {folder}: policy {sorted(clash)[0]!r} already read from another DIR")
         logs.update(found)
     rows: list[BinRow] = []
+    read: dict[str, list[_Step]] = {}
     try:
         for policy, path in logs.items():
-            rows += [r for r in summarize(policy, read_steps(path)) if r.steps >= args.min_steps]
+            read[policy] = read_steps(path)
+            rows += [r for r in summarize(policy, read[policy]) if r.steps >= args.min_steps]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(rows)
-    plain = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-              for k, v in asdict(r).items()} for r in rows]  # fmt: skip
+    ref = args.speed_reference if args.speed_reference in read else next(iter(read))
+    speed = speed_rows(read, ref)
+    print_speed(speed)
+    plain = [_plain(r) for r in rows]
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("w", newline="") as f:
@@ -217,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         cmd = "python -m dspark_sglang.bench.steps " + shlex.join(argv or sys.argv[1:])
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = {"tool": "dspark_sglang.bench.steps", "command": cmd, "rows": plain}
+        report = {
+            "tool": "dspark_sglang.bench.steps",
+            "command": cmd,
+            "rows": plain,
+            "speed": [_plain(r) for r in speed],
+        }
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

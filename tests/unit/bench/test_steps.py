@@ -153,3 +153,51 @@ def test_an_engines_records_read_back_token_for_token(tmp_path: Path) -> None:
     assert row.steps == sum(1 for r in recs if r.num_prefill_tokens == 0)
     assert row.tokens_per_step * row.steps == pytest.approx(len(out.output_ids) - 1)
     assert row.drafting_share > 0.0  # the test drafter is random: it drafts, few are accepted
+
+
+def test_speed_at_identical_shapes_over_the_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Shapes both logs ran MIN_SHAPE_STEPS times compare; the rest (too few, or one log only)
+    do not, nor do drafter runs that were resumed or drafted a few rows."""
+    n = steps.MIN_SHAPE_STEPS
+
+    def log(scale: float) -> list[StepRecord]:
+        recs = []
+        for r, b, fwd, drafter in (
+            (1, 8, 0.006, 0.004),
+            (2, 16, 0.008, 0.005),
+            (8, 64, 0.02, 0.01),
+        ):
+            recs += [_rec(r, b, 0.02, forward_seconds=fwd * scale, draft_seconds=drafter * scale,
+                          num_draft_reqs=r) for _ in range(n)]  # fmt: skip
+        return recs
+
+    slow = log(1.1) + [_rec(1, 4, 0.02, forward_seconds=1.0)] * n  # a shape the reference lacks
+    slow += [_rec(1, 8, 0.02, forward_seconds=0.0066, draft_seconds=1.0, num_draft_reqs=1,
+                  draft_resumed=True)] * (2 * n)  # fmt: skip
+    slow += [_rec(2, 16, 0.02, forward_seconds=0.0088, draft_seconds=1.0,
+                  num_draft_reqs=1)] * (2 * n)  # a probe of one row of two  # fmt: skip
+    ref = log(1.0)[:-1]  # R = 8: one step short of counting
+    _write(tmp_path / "s" / "verify-all" / "decode0.steps.jsonl", ref)
+    _write(tmp_path / "s" / "lagged" / "decode0.steps.jsonl", slow)
+    rows = steps.speed_rows(
+        {"verify-all": [_to_step(r) for r in ref], "lagged": [_to_step(r) for r in slow]},
+        "verify-all",
+    )
+    every = next(r for r in rows if r.r_hi == 0)
+    assert (every.shapes, every.draft_sizes) == (2, 2)
+    assert every.forward_ratio == pytest.approx(1.1) and every.drafter_ratio == pytest.approx(1.1)
+    one = next(r for r in rows if r.r_hi == 1)
+    assert one.shapes == 1 and one.forward_ratio == pytest.approx(1.1)
+    out_json = tmp_path / "r.json"
+    assert steps.main([str(tmp_path / "s"), "--json", str(out_json)]) == 0
+    assert "time at identical shapes over verify-all's" in capsys.readouterr().out
+    speed = json.loads(out_json.read_text())["speed"]
+    assert {r["policy"] for r in speed} == {"lagged"}
+    assert steps.main([str(tmp_path / "s"), "--speed-reference", "lagged"]) == 0
+    assert "over lagged's" in capsys.readouterr().out
+
+
+def _to_step(rec: StepRecord) -> steps._Step:
+    return msgspec.json.decode(_ENC.encode(rec), type=steps._Step)
