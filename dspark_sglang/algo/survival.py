@@ -5,7 +5,6 @@ from the package, and never engine, models, torch.cuda or a clock.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -362,10 +361,10 @@ class LagShrink:
         """The fitted slope itself, unclipped and without the pseudo-count (nan: no spread yet);
         above 1, the lagged rows departed from the average less than acceptance did."""
         if self.n <= 1.0:
-            return math.nan
+            return float("nan")
         cxx = self.sxx - self.sx * self.sx / self.n
         cxy = self.sxy - self.sx * self.sy / self.n
-        return cxy / cxx if cxx > 0.0 else math.nan
+        return cxy / cxx if cxx > 0.0 else float("nan")
 
     @staticmethod
     def apply(rows: np.ndarray, center: np.ndarray, rho: float) -> np.ndarray:
