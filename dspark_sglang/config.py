@@ -252,8 +252,8 @@ class DraftConfig:
     explore_ratio: float = 0.75
     # lagged mode: K reads a lagged survival row's departure from the average row only as far as
     # such departures held up lag steps later (algo.survival.LagShrink, learned from verified
-    # drafts either way and reported in the planner's state). Off: A/B runs on the CPU engine
-    # measured no difference (docs/scheduler.md "How much of a lagged row holds up").
+    # drafts and reported in the planner's state). Off: A/B runs on the CPU engine measured no
+    # difference (docs/scheduler.md "How much of a lagged row holds up").
     lag_shrink: bool = False
     # The drafter's weights and context K/V. auto = the target's dtype, except that an fp32
     # target on a CPU with native bf16 matrix instructions gets bf16 products of 16 rows or more

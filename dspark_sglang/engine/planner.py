@@ -232,8 +232,8 @@ class VerifyPlanner:
         # K was planned from once plan() pushed its own (LagShrink learns from them)
         lagged = mode.name == "lagged"
         self.history = SurvivalHistory(depth=max(mode.lag, 1) + lagged)
-        # how much of a lagged row's departure from the average row K believes (LagShrink); it
-        # learns in lagged mode either way, and K applies it only when `lag_shrink`
+        # how much of a lagged row's departure from the average row K believes (LagShrink),
+        # learned and applied with `lag_shrink` only
         self.lag_fit = LagShrink()
         self._shrinks = lag_shrink and lagged
         self._worker = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
@@ -760,7 +760,7 @@ class VerifyPlanner:
     ) -> None:
         if not verify_lens.any():  # a K = 0 step verified nothing: nothing to learn
             return
-        if self.plans_before_drafting and ids:
+        if self._shrinks and ids:  # 30-40 us a step: not paid while off
             self._learn_lag(np.asarray(ids, np.int64), verify_lens, accepted)
         self.prior = self.prior.observe(verify_lens, accepted)
         drafted = self._drafted

@@ -636,7 +636,7 @@ def test_lagged_k_reads_a_pessimistic_lagged_row_as_far_as_such_rows_held_up(
 ) -> None:
     """A lagged row far below the average makes K = 0 at face value; once LagShrink has learned
     that such departures did not hold two steps later (ρ = 0), K reads the average row and drafts.
-    With lag shrinking off the planner learns ρ all the same but plans at face value."""
+    With lag shrinking off the planner plans at face value whatever ρ says."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
     from dspark_sglang.algo.survival import AcceptancePrior, LagShrink
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
@@ -668,12 +668,17 @@ def test_observe_feeds_lag_shrink_the_row_this_steps_k_was_planned_from() -> Non
     from dspark_sglang.engine.planner import VerifyPlanner
 
     cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
-    p = VerifyPlanner(parse_schedule_mode("lagged"), 2, cap, None, False, 0.0, False)
-    p.prior = AcceptancePrior((0.5, 0.5), trials=(100.0,) * 2)  # center [0.5, 0.25]
+    mode = parse_schedule_mode("lagged")
+    off = VerifyPlanner(mode, 2, cap, None, False, 0.0, False)
+    p = VerifyPlanner(mode, 2, cap, None, False, 0.0, False, lag_shrink=True)
+    p.prior = off.prior = AcceptancePrior((0.5, 0.5), trials=(100.0,) * 2)  # center [0.5, 0.25]
     p.history = p.history.push(np.array([3]), np.array([[0.9, 0.8]]))  # the row K read (lag 2)
     p.history = p.history.push(np.array([3]), np.array([[0.1, 0.0]]))
     p.history = p.history.push(np.array([3, 4]), np.array([[0.1, 0.0], [0.1, 0.0]]))  # this step
-    p.observe_acceptance(np.array([2, 2]), np.array([2, 0]), [3, 4])  # 4 had no lagged row
+    off.history = p.history
+    for q in (p, off):
+        q.observe_acceptance(np.array([2, 2]), np.array([2, 0]), [3, 4])  # 4 had no lagged row
+    assert off.lag_fit.n == 0.0  # off: nothing learned, nothing paid
     fit = p.lag_fit
     assert fit.n == pytest.approx(1.0)
     assert fit.sx == pytest.approx(0.9 + 0.8 - 0.75) and fit.sy == pytest.approx(2 - 0.75)
