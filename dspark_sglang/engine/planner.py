@@ -539,7 +539,8 @@ class VerifyPlanner:
             "steps_since_draft": self._since_draft,
             "fallbacks": dict(self.fallbacks),
             "lag_shrink": self.lag_fit.rho,
-            "lag_slope": self.lag_fit.slope,
+            # None before any spread: GET /capacity answers strict JSON, which has no NaN
+            "lag_slope": slope if math.isfinite(slope := self.lag_fit.slope) else None,
             "lag_shrink_applied": self._shrinks,
         }
 

@@ -659,6 +659,24 @@ def test_lagged_k_reads_a_pessimistic_lagged_row_as_far_as_such_rows_held_up(
     assert p.state()["lag_shrink_applied"] is shrinks
 
 
+@pytest.mark.parametrize("shrinks", [True, False])
+def test_planner_state_is_strict_json_before_anything_was_learned(shrinks: bool) -> None:
+    """GET /capacity returns the state as JSON that refuses NaN (a 500 otherwise)."""
+    import json
+
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(
+        parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False, lag_shrink=shrinks
+    )
+    state = p.state()
+    assert state["lag_slope"] is None
+    json.dumps(state, allow_nan=False)
+
+
 def test_observe_feeds_lag_shrink_the_row_this_steps_k_was_planned_from() -> None:
     """observe() runs after plan() pushed this step's own survival: the row K read is `lag + 1`
     pushes back, and only verified rows that had one are folded in."""
