@@ -453,12 +453,26 @@ def run_policy(
         return [measure(args, policy, c, pass_no, jsonl, 0, groups) for c in args.concurrency]
 
 
+def level_order(policies: Sequence[str], pass_no: int, level: int) -> list[str]:
+    """The order an interleaved sweep measures the policies in at one (pass, level): rotated by
+    one place from level to level and from pass to pass (two policies: from pass to pass only).
+    Flipping the order instead ran the last policy of one level first at the next, two cells in
+    a row: a slow spell of the host half a minute long then fell on one policy at two levels
+    (short_461e3e6, pass 4: lagged's cells at c = 4 and c = 8 ran their forwards 30-50 % slower
+    than the cells around them). Rotation leaves every policy n - 1 cells apart from one level
+    to the next and puts each in every place equally often over n passes; a pass boundary can
+    still repeat one."""
+    n = len(policies)
+    shift = (pass_no if n == 2 else pass_no + level) % max(n, 1)
+    return list(policies[shift:]) + list(policies[:shift])
+
+
 def run_interleaved(
     args: argparse.Namespace, first: int, jsonl: Path, log_path: Path
 ) -> list[dict[str, Any]]:
     """Every policy's server up at once (started one after another, so no start-up profile
-    shares the CPU), then each concurrency level measured policy after policy, the order
-    alternating: rivals are measured seconds apart instead of minutes, so the host's drift
+    shares the CPU), then each concurrency level measured policy after policy, in the order
+    `level_order` gives: rivals are measured seconds apart instead of minutes, so the host's drift
     (up to 13 % between passes on the shared 2-core VM) does not land on one policy."""
     out = []
     groups: dict[str, int] = {}
@@ -472,7 +486,7 @@ def run_interleaved(
         for k in range(first, first + args.passes):
             print(f"== pass {k}", file=sys.stderr, flush=True)
             for j, c in enumerate(args.concurrency):
-                order = list(args.policies)[:: -1 if (k + j) % 2 else 1]
+                order = level_order(args.policies, k, j)
                 out += [measure(args, p, c, k, jsonl, slots[p], groups) for p in order]
     return out
 

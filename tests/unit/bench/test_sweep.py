@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -135,11 +136,11 @@ def _fake_result(ns: object) -> dict:
         "accept_length": 1.0, "failed": 0}  # fmt: skip
 
 
-def test_interleaved_sweep_runs_one_server_per_policy_and_alternates_the_order(
+def test_interleaved_sweep_runs_one_server_per_policy_and_rotates_the_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--interleave: every policy's server is started once on its own ports, then each level is
-    measured policy after policy, the order flipping from level to level and pass to pass."""
+    measured policy after policy, the order rotating from level to level and pass to pass."""
     started: list[list[str]] = []
     measured: list[tuple[str, str, int]] = []
 
@@ -165,11 +166,30 @@ def test_interleaved_sweep_runs_one_server_per_policy_and_alternates_the_order(
                p for cmd, p in zip(started, ports, strict=True)}  # fmt: skip
     assert all(url.endswith(port_of[p]) for url, p, _ in measured)
     order = [p for _, p, _ in measured]
-    fwd, back = ["no-spec", "fixed:3", "lagged"], ["lagged", "fixed:3", "no-spec"]
-    assert order == fwd + back + back + fwd  # pass 0: c=1, c=4; pass 1: c=1, c=4
+    a, b, c = "no-spec", "fixed:3", "lagged"
+    assert order == [a, b, c, b, c, a, b, c, a, c, a, b]  # pass 0: c=1, c=4; pass 1
+    assert all(x != y for x, y in itertools.pairwise(order))  # never twice in a row
     assert [c for *_, c in measured] == [1] * 3 + [4] * 3 + [1] * 3 + [4] * 3
     rows = (tmp_path / "s.jsonl").read_text().splitlines()
     assert len(rows) == 12
+
+
+def test_level_order_never_measures_a_policy_twice_in_a_row_and_balances_places() -> None:
+    """Within a pass no policy runs two cells back to back, and over n passes each policy takes
+    every place at every level once (two policies: the order flips from pass to pass)."""
+    for pols in (["a", "b", "c"], ["a", "b", "c", "d"]):
+        n = len(pols)
+        for k in range(2 * n):
+            seq = [p for j in range(7) for p in sweep.level_order(pols, k, j)]
+            assert all(x != y for x, y in itertools.pairwise(seq))
+        for j in range(7):
+            for pos in range(n):
+                got = sorted(sweep.level_order(pols, k, j)[pos] for k in range(n))
+                assert got == sorted(pols)
+    two = [p for j in range(5) for p in sweep.level_order(["a", "b"], 1, j)]
+    assert two == ["b", "a"] * 5
+    assert sweep.level_order(["a", "b"], 0, 3) == ["a", "b"]
+    assert sweep.level_order(["a"], 3, 2) == ["a"]
 
 
 def test_a_variant_is_its_policy_with_more_flags_and_is_reported_against_it(
