@@ -987,6 +987,34 @@ def test_a_fixed_drafting_cost_is_not_multiplied_into_the_rs_not_drafted_yet() -
     assert steep is not None and steep(64) < 0.02 * 8
 
 
+def test_the_line_through_the_r_bins_counts_each_bin_once_as_well() -> None:
+    """Thousands of drafting records at R = 1-4 and a handful at R = 32-64, where the drafter's
+    cost per row falls below the small-R slope (served, sweep rot_db68f3d: the record-weighted
+    line priced R = 64 at 1.29x the drafter's measured bin, and lagged served c = 64 without
+    drafting). The line with every bin weighed alike is a candidate too, and the lower one is
+    used: 47 ms at R = 64 for 45 measured, where the record-weighted line alone said 55."""
+    from dspark_sglang.algo.capacity_fit import _from_prior
+
+    knots = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    prior = Curve(knots, tuple(0.001 * r for r in knots))
+    ms = (4.0, 5.0, 7.0, 11.0, 18.0, 29.0, 45.0)
+    ns = (2000.0, 1000.0, 500.0, 200.0, 20.0, 8.0, 4.0)
+    table = {int(r): (m * 1e-3, n) for r, m, n in zip(knots, ms, ns, strict=True)}
+    at = _from_prior(table, prior, 8.0)
+    assert at is not None
+    assert at(64) == pytest.approx(0.045, rel=0.06)
+    # record-weighted alone: its line through R = 1-4 overshoots the few large-R bins
+    w = np.asarray(ns)
+    p, m = np.asarray(knots) * 1e-3, np.asarray(ms) * 1e-3
+    pw = float(w @ p) / float(w.sum())
+    b = float(w @ ((p - pw) * m)) / float(w @ ((p - pw) ** 2))
+    a = float(w @ m) / float(w.sum()) - b * pw
+    assert a + b * 0.064 > 1.2 * 0.045
+    assert at(64) < 0.9 * (a + b * 0.064)
+    # the lowest candidate at every R: never above the record-weighted line
+    assert all(at(r) <= a + b * r * 1e-3 + 1e-12 for r in knots)
+
+
 def test_drafting_records_count_by_r_bin() -> None:
     """A full batch wanders by a few requests; its drafting records count together (r_bin), so
     the line through the R bins seen reads them as one point once CAP_MIN_RECORDS are in, and
