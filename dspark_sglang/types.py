@@ -121,3 +121,6 @@ class StepRecord:
     # steps earlier (verify_budget.planned_tokens); nan elsewhere. Against num_decode_reqs +
     # num_accepted it measures what the lag costs the K choice (bench.steps)
     planned_tokens: float = float("nan")
+    # unix seconds at the step's start: places a step log's records in a benchmark's windows
+    # (bench.host_speed reads the host's speed in each sweep cell from them); nan: not stamped
+    started_at: float = float("nan")

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dspark_sglang.bench import hostcpu, serving, steps, verdict
+from dspark_sglang.bench import host_speed, hostcpu, serving, steps, verdict
 from dspark_sglang.bench.pareto import (
     frontier,
     matched_speedups,
@@ -305,6 +305,8 @@ def analyse(
     noise = verdict.summary(raw, is_rival) if raw else {}
     if noise:
         out["noise"] = noise
+    if any(r.get(ADJUSTED) for r in raw):
+        out["host_adjusted"] = host_adjusted(rows, policies, raw)
     host = host_cpu(raw)
     if host:
         out["host_cpu"] = host
@@ -312,6 +314,38 @@ def analyse(
     for a in sla:
         anchors[str(a)] = {p: throughput_at_sla(f, a) for p, f in fronts.items()}
     out["throughput_at_sla"] = anchors
+    return out
+
+
+ADJUSTED = "host_adjusted_output_throughput"
+
+
+def host_adjusted(
+    rows: list[dict[str, Any]], policies: Sequence[str], raw: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """The goal again on throughputs scaled to each deployment's usual host speed
+    (bench.host_speed), its noise, and how far the per-pass ratio of each pair of policies
+    scattered before and after the scaling: the scaling is worth reading only where it
+    narrowed those."""
+    out: dict[str, Any] = {"per_concurrency": goal_rows(rows, policies, raw, ADJUSTED)}
+    if out["per_concurrency"]:
+        out["lagged_ge_best_minus_3pct_every_c"] = all(x["pass"] for x in out["per_concurrency"])
+    noise = verdict.summary(raw, is_rival, key=ADJUSTED)
+    if noise:
+        out["noise"] = noise
+    spread = []
+    for i, a in enumerate(policies):
+        for b in policies[i + 1 :]:
+            before = host_speed.log_spread(raw, "output_throughput", a, b)
+            after = host_speed.log_spread(raw, ADJUSTED, a, b)
+            if before is not None and after is not None:
+                spread.append({"a": a, "b": b, "measured": before, "adjusted": after})
+    out["pair_log_spread"] = spread
+    factors = [r["host_speed_factor"] for r in raw if r.get("host_speed_factor")]
+    out["cells"] = len(raw)
+    out["cells_with_factor"] = len(factors)
+    if factors:
+        out["factor_min"], out["factor_max"] = min(factors), max(factors)
     return out
 
 
@@ -359,6 +393,28 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
     if goals.get("noise"):
         print()
         verdict.print_summary(goals["noise"], "whole run:")
+    adj = goals.get("host_adjusted")
+    if adj:
+        print(
+            f"\nhost speed per cell (bench.host_speed): {adj['cells_with_factor']} of "
+            f"{adj['cells']} cells have a factor"
+            + (
+                f", {adj['factor_min']:.2f}-{adj['factor_max']:.2f}x its deployment's usual forward"
+                if "factor_min" in adj
+                else ""
+            )
+        )
+        for x in adj["pair_log_spread"]:
+            print(
+                f"  per-pass log({x['a']} / {x['b']}) scatter: measured {x['measured']:.3f}, "
+                f"adjusted {x['adjusted']:.3f}"
+            )
+        if adj["per_concurrency"]:
+            _print_goal(
+                "whole run, scaled to each deployment's usual host speed", adj["per_concurrency"]
+            )
+        if adj.get("noise"):
+            verdict.print_summary(adj["noise"], "adjusted:")
     if goals.get("host_cpu"):
         print("\nhost CPU during each policy's runs, cores (median / largest):")
         for p, h in goals["host_cpu"].items():
@@ -410,8 +466,10 @@ def measure(
     host's CPU went during the run (`cpu_*`, in cores; bench.hostcpu): the measured deployment,
     the others, and the client (this process and its children outside every deployment)."""
     before = hostcpu.read() if groups else None
+    start = time.time()  # the cell's window in the step logs' clock (bench.host_speed)
     rec = serving.run(bench_args(args, policy, c, slot))
     rec |= {"policy": policy, "concurrency": c, "pass": pass_no, "host_cpu": cpu_model()}
+    rec |= {"cell_start": start, "cell_end": time.time()}
     after = hostcpu.read() if before is not None else None
     if before is not None and after is not None and groups:
         labels = {
@@ -507,6 +565,8 @@ MEDIAN_KEYS = (
     "cpu_host_steal",
     "cpu_host_idle",
     "cpu_other_deployments",
+    "host_speed_factor",
+    "host_adjusted_output_throughput",
 )
 
 
@@ -669,6 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 order = list(args.policies)[:: -1 if k % 2 else 1]
                 for policy in order:
                     raw += run_policy(args, policy, k, jsonl, log_path)
+    if args.step_logs and args.step_logs.is_dir():  # each cell's host speed, from its forwards
+        raw = host_speed.adjust(raw, args.step_logs, args.policies)
     rows = aggregate(raw)
     policies = [p for p in args.policies if any(r["policy"] == p for r in rows)]
     goals = analyse(rows, policies, args.sla, raw)

@@ -191,6 +191,7 @@ class LLMEngine:
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._step_no = 0
+        self._started_at = math.nan  # unix time of the current step's start (StepRecord)
 
     def _make_planner(self, cfg: DraftConfig, mode: ScheduleMode) -> VerifyPlanner:
         capacity = None
@@ -391,7 +392,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0, self._started_at = time.perf_counter(), time.time()
         self._last_plan, self._draft_seconds, self._planned_ids = None, 0.0, frozenset()
         self._draft_rows, self._draft_backlog = 0, False
         self._forward_seconds = math.nan
@@ -655,6 +656,7 @@ class LLMEngine:
             draft_resumed=p is not None and (p.resumed or self._draft_backlog),
             num_accepted=sum(accepted.values()),
             planned_tokens=p.planned_tokens if p else float("nan"),
+            started_at=self._started_at,
         )
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()

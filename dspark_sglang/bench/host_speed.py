@@ -1,0 +1,155 @@
+"""The host's speed in each sweep cell, read from the deployment's own forwards at equal shapes.
+
+A served sweep on a shared host measures each policy's cell seconds apart from its rivals', and
+still the host's speed moves under them: one pass's target forward at a given shape (R requests,
+B tokens) can run 20-40 % slower than the next pass's (docs/results/host_drift_s36.txt). Lagged
+/ best rival per pass then scatters with a log standard deviation near 0.1, and eight passes
+cannot resolve the 3 % the goal of issue 9 is stated in.
+
+A deployment's forward of one shape is the same work every time it runs, so its time is a clock
+of the host: a cell whose forwards ran at 1.15x the time this deployment took for the same shapes
+over the whole run ran on a host 15 % slower than this deployment saw on average. This module
+turns the step logs (`launch_server --step-log`, each record stamped `started_at`) into that
+factor per cell, and scales the cell's throughput by it: to the host speed the deployment saw
+over the run.
+
+Each deployment is its own reference, never a rival's: forwards of one shape differ between
+deployments for reasons that are the policy's (a drafting engine's forward also returns the
+drafter's taps: lagged's plain B = R steps ran 4.72 ms where no-spec's ran 4.16, sweep
+rot_49d32bf), and a rival's clock would charge or credit them to the host. An interleaved sweep
+rotates the policies through the same host spells, so each deployment's own average speed is
+the same host's average. What the scaling removes is the spread of host speed from cell to
+cell; what it keeps is every difference between the deployments' averages, a deployment that
+ran slower than its siblings for the whole run included. The scaled figures sit beside the
+measured ones and never replace them.
+
+Reference: per deployment, the pure decode shapes (R, B) it ran at least MIN_SHAPE_STEPS times
+over the run, each at its median forward seconds. A cell's factor is the median, over the
+cell's decode steps at reference shapes (at least MIN_CELL_STEPS of them), of forward /
+reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+LOG_SUFFIX = ".steps.jsonl"
+MIN_SHAPE_STEPS = 10
+MIN_CELL_STEPS = 10
+
+
+class _Step(msgspec.Struct):
+    num_reqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_reqs: int
+    forward_seconds: float | None = None
+    started_at: float | None = None
+
+
+def read_forwards(folder: Path) -> np.ndarray:
+    """[n, 4] (started_at, R, B, forward seconds) of the pure decode steps in a deployment's
+    step logs that carry a timestamp and a timed forward, in time order."""
+    dec = msgspec.json.Decoder(_Step)
+    rows = []
+    for path in sorted(folder.glob(f"*{LOG_SUFFIX}")):
+        with path.open("rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                s = dec.decode(line)
+                if (
+                    s.num_prefill_tokens == 0
+                    and s.num_decode_reqs == s.num_reqs > 0
+                    and s.forward_seconds is not None
+                    and math.isfinite(s.forward_seconds)
+                    and s.started_at is not None
+                    and math.isfinite(s.started_at)
+                ):
+                    rows.append((s.started_at, s.num_reqs, s.num_tokens, s.forward_seconds))
+    out = np.array(rows, np.float64).reshape(-1, 4)
+    return out[np.argsort(out[:, 0], kind="stable")]
+
+
+def reference(steps: np.ndarray) -> dict[tuple[int, int], float]:
+    """Per shape (R, B) one deployment ran MIN_SHAPE_STEPS times or more: its median forward
+    seconds over the run."""
+    if not len(steps):
+        return {}
+    shapes = steps[:, 1:3].astype(np.int64)
+    keys, inverse, counts = np.unique(shapes, axis=0, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1)
+    return {
+        (int(keys[i, 0]), int(keys[i, 1])): float(np.median(steps[inverse == i, 3]))
+        for i in np.flatnonzero(counts >= MIN_SHAPE_STEPS)
+    }
+
+
+def cell_factor(
+    steps: np.ndarray, ref: Mapping[tuple[int, int], float], start: float, end: float
+) -> tuple[float, int] | None:
+    """(median forward / reference over the steps started in [start, end] at reference shapes,
+    how many such steps); None below MIN_CELL_STEPS."""
+    if not len(steps):
+        return None
+    lo, hi = np.searchsorted(steps[:, 0], [start, end], side="left")
+    ratios = [
+        t / ref[(int(r), int(b))]
+        for _, r, b, t in steps[lo:hi]
+        if (int(r), int(b)) in ref and ref[(int(r), int(b))] > 0
+    ]
+    if len(ratios) < MIN_CELL_STEPS:
+        return None
+    return float(np.median(ratios)), len(ratios)
+
+
+def adjust(
+    raw: Iterable[dict[str, Any]], step_logs: Path, policies: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Copies of the sweep's per-cell records, each with `host_speed_factor` (its forwards'
+    time over its deployment's reference; > 1: a slow host), `host_speed_steps`, and
+    `host_adjusted_output_throughput` = output_throughput x factor, where the cell has a
+    window (`cell_start`, `cell_end`) and enough steps at reference shapes; else None."""
+    forwards = {p: read_forwards(step_logs / p) for p in policies if (step_logs / p).is_dir()}
+    refs = {p: reference(steps) for p, steps in forwards.items()}
+    out = []
+    for r in raw:
+        r = dict(r)
+        got = None
+        steps = forwards.get(r.get("policy", ""))
+        if steps is not None and r.get("cell_start") is not None and r.get("cell_end"):
+            window = float(r["cell_start"]), float(r["cell_end"])
+            got = cell_factor(steps, refs[r["policy"]], *window)
+        factor, n = got if got is not None else (None, 0)
+        r["host_speed_factor"] = factor
+        r["host_speed_steps"] = n
+        tps = r.get("output_throughput")
+        r["host_adjusted_output_throughput"] = (
+            tps * factor if factor is not None and tps is not None else None
+        )
+        out.append(r)
+    return out
+
+
+def log_spread(raw: Sequence[dict[str, Any]], key: str, a: str, b: str) -> float | None:
+    """Standard deviation over cells of log(a / b) within each (pass, c), after removing each
+    c's mean: how far two policies' per-pass ratio scatters (None with fewer than 3 pairs)."""
+    by: dict[tuple[int, int], dict[str, float]] = {}
+    for r in raw:
+        if r.get(key):
+            by.setdefault((r["concurrency"], r.get("pass", 0)), {})[r["policy"]] = r[key]
+    per_c: dict[int, list[float]] = {}
+    for (c, _), v in by.items():
+        if a in v and b in v:
+            per_c.setdefault(c, []).append(math.log(v[a] / v[b]))
+    dev = [x - float(np.mean(xs)) for xs in per_c.values() if len(xs) >= 2 for x in xs]
+    dof = sum(len(xs) - 1 for xs in per_c.values() if len(xs) >= 2)
+    if dof < 2:
+        return None
+    return math.sqrt(sum(d * d for d in dev) / dof)
