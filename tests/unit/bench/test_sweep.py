@@ -326,3 +326,58 @@ def test_each_record_says_where_the_hosts_cpu_went(
     assert lag["host_cpu"] == ns["host_cpu"] == cpu_model()
     assert summary["measured_on"] == [cpu_model()]
     assert "host CPU during each policy's runs" in capsys.readouterr().out
+
+
+def test_with_step_logs_each_cell_is_also_scaled_to_its_deployments_usual_host_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--step-logs: each record carries its window; the sweep reads each cell's host speed from
+    the forwards its deployment logged in it (bench.host_speed) and judges the goal again on the
+    scaled throughputs. Here pass 1 ran on a host 1.5x slower for every policy, and lagged's
+    forwards are its own 1.2x slower: the scaling removes the first and keeps the second."""
+    import time
+
+    from dspark_sglang.types import StepRecord
+
+    enc = msgspec.json.Encoder()
+    logs = tmp_path / "steps"
+    calls: dict[str, int] = {}
+    level = {"no-spec": 1.0, "lagged": 1.2}
+
+    def fake_run(ns: object) -> dict:
+        policy = dict(ns.metadata)["policy"]  # type: ignore[attr-defined]
+        k = calls[policy] = calls.get(policy, -1) + 1
+        slow = (1.0, 1.5, 1.0, 1.5)[k] * level[policy]
+        now = time.time()
+        with (logs / policy / "decode0.steps.jsonl").open("ab") as f:
+            for i in range(20):
+                rec = StepRecord(step=i, num_reqs=1, num_tokens=4, num_prefill_tokens=0,
+                                 num_decode_reqs=1, kv_tokens=50, step_seconds=0.006 * slow,
+                                 forward_seconds=0.004 * slow, started_at=now)  # fmt: skip
+                f.write(enc.encode(rec) + b"\n")
+        time.sleep(0.002)  # the window closes after the steps started
+        return _fake_result(ns) | {"output_throughput": 100.0 / slow}
+
+    class FakeServer(_FakeServer):
+        def __init__(self, cmd: list[str], *_: object) -> None:
+            Path(cmd[cmd.index("--step-log") + 1]).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep.serving, "run", fake_run)
+    argv = ["--interleave", "--passes", "4", "--policies", "no-spec,lagged", "--concurrency", "1"]
+    argv += ["--out-dir", str(tmp_path), "--name", "s", "--step-logs", str(logs)]
+    assert sweep.main(argv) == 0
+    recs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert all(r["cell_start"] <= r["cell_end"] for r in recs)
+    adj = json.loads((tmp_path / "s_summary.json").read_text())["goals"]["host_adjusted"]
+    assert adj["cells"] == adj["cells_with_factor"] == 8
+    assert adj["factor_max"] / adj["factor_min"] == pytest.approx(1.5)
+    (x,) = adj["per_concurrency"]
+    assert x["ratio"] == pytest.approx(1 / 1.2) and not x["pass"]  # lagged's own 1.2x stays
+    assert x["paired_ratios"] == [pytest.approx(1 / 1.2)] * 4
+    (pair,) = adj["pair_log_spread"]
+    assert pair["adjusted"] == pytest.approx(0.0, abs=1e-9)
+    rows = (tmp_path / "s.csv").read_text().splitlines()
+    assert "host_adjusted_output_throughput" in rows[0] and "host_speed_factor" in rows[0]
+    out = capsys.readouterr().out
+    assert "host speed per cell (bench.host_speed): 8 of 8 cells have a factor" in out
