@@ -6,26 +6,30 @@ B tokens) can run 20-40 % slower than the next pass's (docs/results/host_drift_s
 / best rival per pass then scatters with a log standard deviation near 0.1, and eight passes
 cannot resolve the 3 % the goal of issue 9 is stated in.
 
-A deployment's forward of one shape is the same work every time it runs, so its time is a clock
-of the host: a cell whose forwards ran at 1.15x the time this deployment took for the same shapes
-over the whole run ran on a host 15 % slower than this deployment saw on average. This module
-turns the step logs (`launch_server --step-log`, each record stamped `started_at`) into that
-factor per cell, and scales the cell's throughput by it: to the host speed the deployment saw
-over the run.
+A deployment's forward of one shape is the same work every time it runs at one load, so its
+time is a clock of the host: a cell whose forwards ran at 1.15x the time this deployment took
+for the same shapes in its other cells at the same concurrency ran on a host 15 % slower than
+those did on average. This module turns the step logs (`launch_server --step-log`, each record
+stamped `started_at`) into that factor per cell, and scales the cell's throughput by it.
 
-Each deployment is its own reference, never a rival's: forwards of one shape differ between
-deployments for reasons that are the policy's (a drafting engine's forward also returns the
-drafter's taps: lagged's plain B = R steps ran 4.72 ms where no-spec's ran 4.16, sweep
-rot_49d32bf), and a rival's clock would charge or credit them to the host. An interleaved sweep
-rotates the policies through the same host spells, so each deployment's own average speed is
-the same host's average. What the scaling removes is the spread of host speed from cell to
-cell; what it keeps is every difference between the deployments' averages, a deployment that
-ran slower than its siblings for the whole run included. The scaled figures sit beside the
-measured ones and never replace them.
+The reference is the deployment's own cells at the cell's concurrency, over every pass:
+- never a rival's: forwards of one shape differ between deployments for the policy's own
+  reasons (a drafting engine's forward also returns the drafter's taps: lagged's plain B = R
+  steps ran 4.72 ms where no-spec's ran 4.16, sweep rot_49d32bf), and a rival's clock would
+  book them on the host;
+- never its cells at another concurrency: (R, B) leaves out the context attended, and a shape
+  met in the drain of a c = 64 cell (requests near their end) carries longer contexts than the
+  same shape in a c = 32 cell. Pooled over levels, no-spec's c = 32 cells read 10 % slow in
+  sweep hs_17c3f04 for that reason alone.
+So the factors of one deployment at one concurrency centre on 1 over the passes: the scaling
+takes out the spread of host speed from pass to pass and cell to cell, and keeps every
+difference between the deployments at a concurrency, a deployment that ran its forwards slower
+than its siblings in most passes included. The scaled figures sit beside the measured ones and
+never replace them.
 
-Reference: per deployment, the pure decode shapes (R, B) it ran at least MIN_SHAPE_STEPS times
-over the run, each at its median forward seconds. A cell's factor is the median, over the
-cell's decode steps at reference shapes (at least MIN_CELL_STEPS of them), of forward /
+Reference shapes: the pure decode (R, B) the deployment's cells at that concurrency ran at
+least MIN_SHAPE_STEPS times together, each at its median forward seconds. A cell's factor is
+the median, over its decode steps at reference shapes (at least MIN_CELL_STEPS), of forward /
 reference.
 """
 
@@ -42,6 +46,7 @@ import numpy as np
 LOG_SUFFIX = ".steps.jsonl"
 MIN_SHAPE_STEPS = 10
 MIN_CELL_STEPS = 10
+ADJUSTED = "host_adjusted_output_throughput"
 
 
 class _Step(msgspec.Struct):
@@ -92,16 +97,13 @@ def reference(steps: np.ndarray) -> dict[tuple[int, int], float]:
 
 
 def cell_factor(
-    steps: np.ndarray, ref: Mapping[tuple[int, int], float], start: float, end: float
+    steps: np.ndarray, ref: Mapping[tuple[int, int], float]
 ) -> tuple[float, int] | None:
-    """(median forward / reference over the steps started in [start, end] at reference shapes,
-    how many such steps); None below MIN_CELL_STEPS."""
-    if not len(steps):
-        return None
-    lo, hi = np.searchsorted(steps[:, 0], [start, end], side="left")
+    """(median forward / reference over a cell's steps at reference shapes, how many such
+    steps); None below MIN_CELL_STEPS."""
     ratios = [
         t / ref[(int(r), int(b))]
-        for _, r, b, t in steps[lo:hi]
+        for _, r, b, t in steps
         if (int(r), int(b)) in ref and ref[(int(r), int(b))] > 0
     ]
     if len(ratios) < MIN_CELL_STEPS:
@@ -109,31 +111,39 @@ def cell_factor(
     return float(np.median(ratios)), len(ratios)
 
 
+def _window(steps: np.ndarray, r: dict[str, Any]) -> np.ndarray | None:
+    if r.get("cell_start") is None or not r.get("cell_end"):
+        return None
+    lo, hi = np.searchsorted(steps[:, 0], [float(r["cell_start"]), float(r["cell_end"])])
+    return steps[lo:hi]
+
+
 def adjust(
     raw: Iterable[dict[str, Any]], step_logs: Path, policies: Sequence[str]
 ) -> list[dict[str, Any]]:
     """Copies of the sweep's per-cell records, each with `host_speed_factor` (its forwards'
-    time over its deployment's reference; > 1: a slow host), `host_speed_steps`, and
-    `host_adjusted_output_throughput` = output_throughput x factor, where the cell has a
-    window (`cell_start`, `cell_end`) and enough steps at reference shapes; else None."""
+    time over the reference of its deployment at its concurrency; > 1: a slow host),
+    `host_speed_steps`, and `host_adjusted_output_throughput` = output_throughput x factor,
+    where the cell has a window (`cell_start`, `cell_end`) and enough steps at reference
+    shapes; else None."""
     forwards = {p: read_forwards(step_logs / p) for p in policies if (step_logs / p).is_dir()}
-    refs = {p: reference(steps) for p, steps in forwards.items()}
-    out = []
-    for r in raw:
-        r = dict(r)
-        got = None
+    out = [dict(r) for r in raw]
+    cells: dict[tuple[str, Any], list[tuple[dict[str, Any], np.ndarray]]] = {}
+    for r in out:
+        r |= {"host_speed_factor": None, "host_speed_steps": 0, ADJUSTED: None}
         steps = forwards.get(r.get("policy", ""))
-        if steps is not None and r.get("cell_start") is not None and r.get("cell_end"):
-            window = float(r["cell_start"]), float(r["cell_end"])
-            got = cell_factor(steps, refs[r["policy"]], *window)
-        factor, n = got if got is not None else (None, 0)
-        r["host_speed_factor"] = factor
-        r["host_speed_steps"] = n
-        tps = r.get("output_throughput")
-        r["host_adjusted_output_throughput"] = (
-            tps * factor if factor is not None and tps is not None else None
-        )
-        out.append(r)
+        got = _window(steps, r) if steps is not None and len(steps) else None
+        if got is not None:
+            cells.setdefault((r["policy"], r.get("concurrency")), []).append((r, got))
+    for group in cells.values():
+        ref = reference(np.concatenate([steps for _, steps in group]))
+        for r, steps in group:
+            got = cell_factor(steps, ref)
+            if got is None:
+                continue
+            r["host_speed_factor"], r["host_speed_steps"] = got
+            if r.get("output_throughput") is not None:
+                r[ADJUSTED] = r["output_throughput"] * got[0]
     return out
 
 

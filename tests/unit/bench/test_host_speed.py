@@ -121,3 +121,26 @@ def test_log_spread_removes_each_concurrencys_mean_and_needs_pairs():
     # deviations 0.1, -0.1, 0 around each c's mean (0), 2 dof per c
     assert host_speed.log_spread(raw, "x", "a", "b") == pytest.approx(math.sqrt(0.04 / 4))
     assert host_speed.log_spread(raw[:4], "x", "a", "b") is None
+
+
+def test_the_reference_is_the_deployments_own_cells_at_the_same_concurrency(tmp_path):
+    """One shape runs 1.3x slower at c = 32 than at c = 8 in every pass (longer contexts, which
+    (R, B) leaves out): that is the load's, not the host's, and no c = 32 cell reads slow."""
+    rng = np.random.default_rng(2)
+    raw = _write_run(tmp_path, {"a": 1.0}, np.ones((6, 1)), rng)
+    logs = tmp_path / "a" / "decode0.steps.jsonl"
+    lines = logs.read_text().splitlines()
+    slow = [r for r in raw if r["pass"] % 2]  # odd passes become c = 32 cells, 1.3x slower
+    out_lines = []
+    for line in lines:
+        rec = json.loads(line)
+        t = rec["started_at"]
+        if t is not None and any(c["cell_start"] <= t <= c["cell_end"] for c in slow):
+            rec["forward_seconds"] *= 1.3
+        out_lines.append(json.dumps(rec))
+    logs.write_text("\n".join(out_lines) + "\n")
+    for r in slow:
+        r["concurrency"] = 32
+    out = host_speed.adjust(raw, tmp_path, ["a"])
+    factors = [r["host_speed_factor"] for r in out]
+    assert all(f == pytest.approx(1.0, abs=0.03) for f in factors)
