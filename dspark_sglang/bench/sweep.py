@@ -318,6 +318,15 @@ def analyse(
 
 
 ADJUSTED = "host_adjusted_output_throughput"
+HOST_SPEED_FIELDS = (
+    "policy",
+    "concurrency",
+    "pass",
+    "output_throughput",
+    "host_speed_factor",
+    "host_speed_steps",
+    ADJUSTED,
+)
 
 
 def host_adjusted(
@@ -731,6 +740,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raw += run_policy(args, policy, k, jsonl, log_path)
     if args.step_logs and args.step_logs.is_dir():  # each cell's host speed, from its forwards
         raw = host_speed.adjust(raw, args.step_logs, args.policies)
+        # beside the measurements, not in them: bench.verdict --key reads this file
+        with (args.out_dir / f"{args.name}_host_speed.jsonl").open("w") as f:
+            for r in raw:
+                f.write(json.dumps({k: r.get(k) for k in HOST_SPEED_FIELDS}) + "\n")
     rows = aggregate(raw)
     policies = [p for p in args.policies if any(r["policy"] == p for r in rows)]
     goals = analyse(rows, policies, args.sla, raw)

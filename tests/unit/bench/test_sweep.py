@@ -379,5 +379,11 @@ def test_with_step_logs_each_cell_is_also_scaled_to_its_deployments_usual_host_s
     assert pair["adjusted"] == pytest.approx(0.0, abs=1e-9)
     rows = (tmp_path / "s.csv").read_text().splitlines()
     assert "host_adjusted_output_throughput" in rows[0] and "host_speed_factor" in rows[0]
+    cells = [json.loads(x) for x in (tmp_path / "s_host_speed.jsonl").read_text().splitlines()]
+    assert len(cells) == 8 and all(c["host_speed_factor"] for c in cells)
+    assert {c["policy"] for c in cells} == {"no-spec", "lagged"}
+    from dspark_sglang.bench import verdict
+
+    assert verdict.summary(cells, sweep.is_rival, key="host_adjusted_output_throughput")
     out = capsys.readouterr().out
     assert "host speed per cell (bench.host_speed): 8 of 8 cells have a factor" in out
