@@ -882,3 +882,23 @@ def test_a_drafter_run_that_flushes_a_prompt_backlog_prices_no_step(
     assert drafting[0].draft_resumed  # the prompts' rows: more than 3 x (gamma + 1)
     assert not any(r.draft_resumed for r in drafting[1:])
     spec.close()
+
+
+def test_every_step_record_is_stamped_with_its_start(pair: tuple[Path, Path]) -> None:
+    """StepRecord.started_at: unix seconds at the step's start, in step order and no later than
+    the previous step's start plus its time (bench.host_speed places steps in a sweep's cells)."""
+    import itertools
+    import time
+
+    llm = LLM(str(pair[0]), draft_model=str(pair[1]), num_blocks=128, page_size=4)
+    recs: list[StepRecord] = []
+    llm.on_step = recs.append
+    before = time.time()
+    llm.generate(prompts(3, seed=5), GREEDY)
+    after = time.time()
+    assert len(recs) > 3
+    starts = [r.started_at for r in recs]
+    # started_at is wall-clock time, step_seconds perf_counter: 1 ms for the two clocks' slew
+    assert before <= starts[0] and starts[-1] + recs[-1].step_seconds <= after + 1e-3
+    for a, b in itertools.pairwise(recs):
+        assert a.started_at + a.step_seconds <= b.started_at + 1e-3
