@@ -148,8 +148,8 @@ def adjust(
 
 
 def log_spread(raw: Sequence[dict[str, Any]], key: str, a: str, b: str) -> float | None:
-    """Standard deviation over cells of log(a / b) within each (pass, c), after removing each
-    c's mean: how far two policies' per-pass ratio scatters (None with fewer than 3 pairs)."""
+    """Standard deviation over passes of log(a / b) at each c, about that c's mean, pooled over
+    the c's: how far two policies' per-pass ratio scatters (None below 2 degrees of freedom)."""
     by: dict[tuple[int, int], dict[str, float]] = {}
     for r in raw:
         if r.get(key):

@@ -317,7 +317,7 @@ def analyse(
     return out
 
 
-ADJUSTED = "host_adjusted_output_throughput"
+ADJUSTED = host_speed.ADJUSTED
 HOST_SPEED_FIELDS = (
     "policy",
     "concurrency",
