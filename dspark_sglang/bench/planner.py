@@ -8,6 +8,14 @@ accepted with its own confidence, and each step's record carries the capacity mo
 for it, so the live estimator sees a steady engine. On the CPU engine a step is 10–40 ms, so a
 millisecond here is a few percent of throughput; on a GPU the lagged K runs on the overlap thread
 but plan and observe do not.
+
+`--evict-mb N` runs a stand-in for the engine's torch work where the engine runs it (the drafter
+before `plan`, the forward between `plan` or `skip` and `observe`): a matrix product over N MB of
+weights. Untimed; what it changes is the state the planner's next phase finds the caches in. In
+the engine the planner runs right after that work, and its numpy calls cost about 3x what the
+same calls cost back to back (replayed planner calls from the CPU engine, 2026-12-04: 185 µs a
+step warm, 620-680 with a 16 MB product between phases, 600 timed inside the engine at c = 2);
+0 (default) times the warm planner.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dspark_sglang.algo.verify_budget import parse_schedule_mode
 from dspark_sglang.capacity_profile import load_profile
@@ -53,10 +62,34 @@ def _record(
     )
 
 
+class Evictor:
+    """The engine's torch work between planner phases, as a stand-in: x [64, 1024] times a
+    weight of `mb` MB (a forward streams its weights through the caches; its MKL and ATen code
+    takes the instruction caches). mb = 0: nothing."""
+
+    def __init__(self, mb: int) -> None:
+        cols = mb * (1 << 20) // (4 * 1024)
+        self.x = torch.randn(64, 1024) if cols else None
+        self.w = torch.randn(1024, cols) if cols else None
+        self.sink = 0.0
+
+    def __call__(self) -> None:
+        if self.x is not None:
+            self.sink += float((self.x @ self.w)[0, 0])
+
+
 def run_mode(
-    mode: str, num_reqs: int, steps: int, gamma: int, profile: Path, seed: int
+    mode: str,
+    num_reqs: int,
+    steps: int,
+    gamma: int,
+    profile: Path,
+    seed: int,
+    evict: Evictor | None = None,
 ) -> dict[str, object]:
-    """One planner fed `steps` synthetic steps at R = num_reqs; ns per phase summed."""
+    """One planner fed `steps` synthetic steps at R = num_reqs; ns per phase summed. `evict`
+    runs where the engine runs the drafter and the forward."""
+    evict = evict or Evictor(0)
     cap = load_profile(profile).model
     p = VerifyPlanner(parse_schedule_mode(mode), gamma, cap, None, True, 0.0, False, True)
     rng = np.random.default_rng(seed)
@@ -79,6 +112,7 @@ def run_mode(
                 t = time.perf_counter_ns()
                 plan = p.skip(ids, max_len, ctx)
                 took["skip"] = time.perf_counter_ns() - t
+                evict()  # the forward
                 rec = _record(s, num_reqs, num_reqs, ctx, cap.predict(num_reqs, num_reqs, ctx))
                 none = np.zeros(0, np.int64)
                 t = time.perf_counter_ns()
@@ -95,10 +129,12 @@ def run_mode(
         whole = None if rows is None or sel.size == num_reqs else (ids, max_len, ctx)
         sub_ids = [ids[i] for i in sel]
         conf_logits = _logits(rng, sel.size, gamma)
+        evict()  # the drafter
         t = time.perf_counter_ns()
         plan = p.plan(sub_ids, conf_logits, max_len[sel], ctx, k, whole)
         took["plan"] = time.perf_counter_ns() - t
         lens = plan.lengths
+        evict()  # the forward
         # each verified draft accepted with its own confidence, until the first rejection
         ok = rng.random((sel.size, gamma)) < 1.0 / (1.0 + np.exp(-conf_logits))
         run_len = np.where(ok.all(axis=1), gamma, np.argmin(ok, axis=1))
@@ -158,12 +194,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=7, help="draft tokens per request")
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="engine profile YAML")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help="MB of weights a stand-in matrix product streams where the engine runs the drafter "
+        "and the forward (untimed): the planner then runs with the caches as the engine leaves "
+        "them; 0 = back to back (warm)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.gamma < 1:
         parser.error("--gamma must be >= 1")
+    if args.evict_mb < 0:
+        parser.error("--evict-mb must be >= 0")
     if not args.profile.is_file():
         parser.error(f"--profile {args.profile}: no such file")
     try:
@@ -178,13 +224,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--modes: {e}")
     if not modes:
         parser.error("--modes: no mode given")
+    evict = Evictor(args.evict_mb)
     rows = [
-        run_mode(m, r, args.steps, args.gamma, args.profile, args.seed) for r in reqs for m in modes
+        run_mode(m, r, args.steps, args.gamma, args.profile, args.seed, evict)
+        for r in reqs
+        for m in modes
     ]
     if args.json:
         meta = {
             "command": "python -m dspark_sglang.bench.planner " + " ".join(argv or sys.argv[1:]),
             "profile": str(args.profile),
+            "evict_mb": args.evict_mb,
             "numpy": np.__version__,
             "host": host_facts(),
         }

@@ -41,6 +41,7 @@ def test_json_reports_each_mode_and_batch_by_phase(capsys: pytest.CaptureFixture
         (["--modes", ","], "--modes"),
         (["--profile", "/nonexistent.yaml"], "--profile"),
         (["--steps", "0"], "--steps"),
+        (["--evict-mb", "-1"], "--evict-mb"),
     ],
 )
 def test_bad_flags_are_errors_naming_the_flag(
@@ -49,3 +50,26 @@ def test_bad_flags_are_errors_naming_the_flag(
     with pytest.raises(SystemExit) as e:
         planner.main(["--profile", PROFILE, *argv])
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_evict_runs_where_the_engine_runs_torch_and_leaves_the_decisions_alone(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--evict-mb puts a matrix product where the drafter and the forward run (one before each
+    plan, one after each plan or skip), outside the timed phases: the same decisions as warm."""
+    base = ["--json", "--steps", "40", "--reqs", "1,8", "--modes", "lagged,verify-all"]
+    base += ["--profile", PROFILE, "--seed", "3"]
+    assert planner.main(base) == 0
+    warm = json.loads(capsys.readouterr().out)
+    calls = []
+    real = planner.Evictor.__call__
+    monkeypatch.setattr(planner.Evictor, "__call__", lambda self: calls.append(1) or real(self))
+    assert planner.main([*base, "--evict-mb", "1"]) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert cold["meta"]["evict_mb"] == 1 and warm["meta"]["evict_mb"] == 0
+    keys = ("mode", "R", "drafting_steps", "verify_tokens_per_step")
+    assert [[r[k] for k in keys] for r in cold["results"]] == [
+        [r[k] for k in keys] for r in warm["results"]
+    ]
+    # every step runs the forward once; a drafting step runs the drafter too
+    assert len(calls) == sum(r["steps"] + r["drafting_steps"] for r in cold["results"])
