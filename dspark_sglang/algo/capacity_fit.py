@@ -342,6 +342,8 @@ class LiveEstimator:
         self._prior_scale = prior.scale
         self._g, self._n_g = 0.0, 0.0
         self._u, self._n = np.zeros(self._grid.size), np.zeros(self._grid.size)
+        # which buckets have records, and how many in all (observe's centering of u, per record)
+        self._seen, self._n_sum = np.zeros(self._grid.size, bool), 0.0
         self._resid: deque[float] = deque(maxlen=cfg.window)
         self._level: deque[float] = deque(maxlen=cfg.window)
         self._ape: deque[float] = deque(maxlen=cfg.mape_window)
@@ -441,17 +443,21 @@ class LiveEstimator:
                 self._observe_draft(draft_r, dsec, untimed)
             self._g += max(cfg.rate, 1.0 / (self._n_g + 1.0 + cfg.prior_weight)) * (e - u - self._g)
             self._n_g += 1.0
-            self._u[i] += max(cfg.shape_rate, 1.0 / (self._n[i] + 1.0)) * (e - self._g - self._u[i])
-            self._n[i] += 1.0
+            # Python floats, numpy's operations: the same value, without numpy scalars
+            ui, ni = float(self._u[i]), float(self._n[i])
+            self._u[i] = ui + max(cfg.shape_rate, 1.0 / (ni + 1.0)) * (e - self._g - ui)
+            self._n[i] = ni + 1.0
+            if ni == 0.0:
+                self._seen[i] = True
+            self._n_sum += 1.0  # counts: exact in any order, so numpy's sum of _n
             # A bucket's records fix only the sum g + u: with one bucket fed (lagged K = 0 steps
             # at c = 1) the split random-walked (CPU engine: g 0.67, u[B = 1] -0.48 after 2,700
             # records), and priced every other bucket, and through the drift shift the drafter,
             # at twice their measured times. Holding the record-weighted mean of u at 0 makes g
             # the level of what was measured and u each bucket's deviation from it.
-            seen = self._n > 0.0
-            m = float(self._n @ self._u) / float(self._n.sum())
+            m = float(self._n @ self._u) / self._n_sum
             self._g += m
-            self._u[seen] -= m
+            self._u[self._seen] -= m
         else:
             self.num_rejected += 1
         self._since += 1
