@@ -14,7 +14,7 @@ before `plan`, the forward between `plan` or `skip` and `observe`): a matrix pro
 weights. Untimed; what it changes is the state the planner's next phase finds the caches in. In
 the engine the planner runs right after that work, and its numpy calls cost about 3x what the
 same calls cost back to back (replayed planner calls from the CPU engine, 2026-12-04: 185 µs a
-step warm, 620-680 with a 16 MB product between phases, 600 timed inside the engine at c = 2);
+step warm, 650-705 with a 16 MB product between phases, 600 timed inside the engine at c = 2);
 0 (default) times the warm planner.
 """
 
