@@ -124,3 +124,7 @@ class StepRecord:
     # unix seconds at the step's start: places a step log's records in a benchmark's windows
     # (bench.host_speed reads the host's speed in each sweep cell from them); nan: not stamped
     started_at: float = float("nan")
+    # wall seconds adopting handoffs (target KV and drafter-context writes) since the previous
+    # record: decode-worker work between steps that step_seconds leaves out (a speculative
+    # engine writes each handoff's drafter context, 0.4-1.5 ms a request on the CPU engine)
+    adopt_seconds: float = 0.0

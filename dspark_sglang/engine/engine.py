@@ -192,6 +192,7 @@ class LLMEngine:
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._step_no = 0
         self._started_at = math.nan  # unix time of the current step's start (StepRecord)
+        self._adopt_seconds = 0.0  # try_adopt's time since the last record (StepRecord)
 
     def _make_planner(self, cfg: DraftConfig, mode: ScheduleMode) -> VerifyPlanner:
         capacity = None
@@ -341,6 +342,7 @@ class LLMEngine:
 
     def try_adopt(self, h: SeqHandoff) -> int | None:
         """Continue a request prefilled elsewhere; None when KV or the running set is full."""
+        t0 = time.perf_counter()
         drafter = self.runner.drafter
         if drafter is not None and self.config.draft.context_only:
             raise ConfigError("this engine only prefills for handoffs (context_only drafter)")
@@ -381,6 +383,7 @@ class LLMEngine:
         if detok is not None:
             st.text = detok.step([h.first_token])
         self._state[seq.seq_id] = st
+        self._adopt_seconds += time.perf_counter() - t0
         return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -657,7 +660,9 @@ class LLMEngine:
             num_accepted=sum(accepted.values()),
             planned_tokens=p.planned_tokens if p else float("nan"),
             started_at=self._started_at,
+            adopt_seconds=self._adopt_seconds,
         )
+        self._adopt_seconds = 0.0
         if self.planner is not None and p is not None:
             drafted = proposal.seq_ids if proposal is not None else ()
             verified = [s for s in plan.seqs if s.seq_id in drafted and s.sample]

@@ -902,3 +902,35 @@ def test_every_step_record_is_stamped_with_its_start(pair: tuple[Path, Path]) ->
     assert before <= starts[0] and starts[-1] + recs[-1].step_seconds <= after + 1e-3
     for a, b in itertools.pairwise(recs):
         assert a.started_at + a.step_seconds <= b.started_at + 1e-3
+
+
+def test_adoption_time_lands_in_the_next_step_record_only(pair: tuple[Path, Path]) -> None:
+    """StepRecord.adopt_seconds: try_adopt's wall time since the previous record (the decode
+    worker's work between steps that step_seconds leaves out), in the first record after the
+    adoptions and in no other."""
+    import time
+
+    target, drafter = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prefill = LLM(str(target), draft_model=str(drafter), page_size=4)
+    for p in prompts(3, seed=21):
+        prefill.add_request(p, sp, prefill_only=True)
+    handoffs = []
+    while prefill.has_unfinished():
+        handoffs += [o.handoff for o in prefill.step() if o.finished]
+    assert len(handoffs) == 3 and all(h.draft_ctx is not None for h in handoffs)
+    decode = LLM(str(target), draft_model=str(drafter), page_size=4, num_blocks=64)
+    recs: list[StepRecord] = []
+    decode.on_step = recs.append
+    t = time.perf_counter()
+    assert all(decode.try_adopt(h) is not None for h in handoffs[:2])
+    adopting = time.perf_counter() - t
+    decode.step()
+    assert 0.0 < recs[0].adopt_seconds <= adopting
+    decode.step()
+    assert recs[1].adopt_seconds == 0.0
+    assert decode.try_adopt(handoffs[2]) is not None
+    while decode.has_unfinished():
+        decode.step()
+    assert recs[2].adopt_seconds > 0.0
+    assert all(r.adopt_seconds == 0.0 for r in recs[3:])
