@@ -86,12 +86,16 @@ EXPLORE_RATIO = 0.75
 # so a price once set too high held K at 0 for good: served, 2026-12-03 (sweep 06d3171, c = 1),
 # a host stall of four steps restarted the R = 1 drafter price at 5.1 ms where drafting added
 # 2.3, and lagged decoded plainly for the rest of the run (0.81 of verify-all in that pass).
-# The live estimator is fed the records of steps that did not draft FOLD_RECORDS at a time (a
-# drafting step's record, and those queued before it, at once: exploration counts timed drafting
-# steps). Fed one per step, its update ran cold after each forward: 99 us median inside the CPU
-# engine's step against 18 us in a loop over the same records, and the forward after it ran
-# slower too (in-process, c = 1, lagged at K = 0: step 2.99 ms against 2.82 with no estimator,
-# 2.89 folding 16). What it delays: a publish or a drift alarm by up to FOLD_RECORDS - 1 steps.
+# The live estimator is fed step records FOLD_RECORDS at a time. Fed one per step, its update ran
+# cold after each forward: 99 us median inside the CPU engine's step against 18 us in a loop over
+# the same records, and the forward after it ran slower too (in-process, c = 1, lagged at K = 0:
+# step 2.99 ms against 2.82 with no estimator, 2.89 folding 16). A drafting step's record, with
+# those queued before it, goes in at once where its timing is news: the first of a drafting run
+# (a probe, its retime, a resumed drafter: the price a plain run waits on) and any at an R whose
+# drafter price exploration still tests (EXPLORE_RATIO counts timed drafting steps, and is exact
+# so). Steady drafting steps fold too (session 39: a flush on every drafting step cost 150 us a
+# call at c = 2, 53 us a record, in-process). What folding delays: a publish or a drift alarm by
+# up to FOLD_RECORDS - 1 steps.
 FOLD_RECORDS = 16
 # Resuming the drafter after plain steps costs more than a drafting step that follows one: its
 # first pass projects the skipped steps' rows into its cache and runs with its weights evicted by
@@ -225,7 +229,7 @@ class VerifyPlanner:
         self.capacity = capacity
         self.estimator = LiveEstimator(capacity) if capacity is not None and live else None
         self.fold = FOLD_RECORDS
-        self._queued: list[StepRecord] = []  # records of plain steps not fed to the estimator yet
+        self._queued: list[StepRecord] = []  # step records not fed to the estimator yet
         self.min_user_tps = min_user_tps
         self.prior = AcceptancePrior.uniform(gamma)
         # lagged: one snapshot more than K reads, so observe() still finds the rows this step's
@@ -710,13 +714,27 @@ class VerifyPlanner:
                 self._learn_resume(self._resume_rows, rec.draft_seconds)
             elif self._steady_run and not (rec.draft_resumed or rec.probe) and rec.num_draft_reqs:
                 self._learn_steady(rec.num_draft_reqs, rec.draft_seconds)
-        self._resume_rows, self._steady_run = 0, False
+        steady, self._resume_rows, self._steady_run = self._steady_run, 0, False
         if self.estimator is None:
             return
         self._queued.append(rec)
-        if rec.draft_seconds == 0.0 and len(self._queued) < self.fold:
+        if len(self._queued) < self.fold and not self._news(rec, steady):
             return
         self.flush_records()
+
+    def _news(self, rec: StepRecord, steady: bool) -> bool:
+        """Whether a record goes to the estimator now rather than in the next fold: a drafting
+        step that did not follow one (the price a plain run waits on), or one at an R whose
+        drafter price exploration still tests. Feeding the latter at once keeps `_explore`
+        exact: a record whose bin already has CAP_MIN_RECORDS timed steps changes no R's
+        answer, as `drafts_timed` counts that bin and the larger ones only."""
+        if not rec.draft_seconds > 0.0:
+            return False
+        if not steady or rec.probe or rec.draft_resumed:
+            return True
+        assert self.estimator is not None
+        r = rec.num_draft_reqs if rec.num_draft_reqs > 0 else rec.num_reqs
+        return self.estimator.drafts_timed(r) < CAP_MIN_RECORDS
 
     def _learn_steady(self, rows: int, seconds: float) -> None:
         self._steady[r_bin(rows)] = _fold(*self._steady.get(r_bin(rows), (seconds, 0)), seconds)

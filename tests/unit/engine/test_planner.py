@@ -429,9 +429,9 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
 
 def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None:
     """Records of steps that did not draft wait until FOLD_RECORDS are queued; a drafting step's
-    record feeds the queue and itself at once (exploration counts timed drafting steps), and
-    close() feeds what is left. The estimator ends exactly where one fed record by record ends,
-    and the planner holds the model it last published."""
+    record that is news (here: no plan() before it, so no steady drafting run) feeds the queue
+    and itself at once, and close() feeds what is left. The estimator ends exactly where one
+    fed record by record ends, and the planner holds the model it last published."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
     from dspark_sglang.algo.capacity_fit import LiveEstimator
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
@@ -479,6 +479,69 @@ def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None
     assert p.estimator.drift_events == ref.drift_events >= 1
     assert published is not None and p.capacity.version == published.version
     assert p.capacity.predict(1, 1, 150) == pytest.approx(published.predict(1, 1, 150))
+
+
+def test_steady_drafting_records_fold_once_their_price_is_tested() -> None:
+    """A drafting step's record goes to the estimator at once while fewer than CAP_MIN_RECORDS
+    drafting steps timed its R, and as the first of a drafting run (after a plain step); steady
+    drafting steps at a tested R wait for the fold like plain ones. The estimator ends where one
+    fed record by record ends."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import FOLD_RECORDS, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    buckets = (1, 2, 4, 8, 16)
+    cap = CapacityModel(
+        TableModel(buckets, tuple(0.002 + 0.001 * b for b in buckets)),
+        draft=Curve((1.0, 64.0), (0.003, 0.01)),
+    )
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False, True)
+    ref = LiveEstimator(cap)
+    assert p.estimator is not None
+    ids, max_len, conf = [7], np.array([4]), np.full((1, 4), 2.0)
+    rng = np.random.default_rng(1)
+    fed: list[int] = []  # estimator records after each step
+    published = [cap]
+
+    def step(t: int, drafted: bool) -> None:
+        y = 0.003 * rng.uniform(0.97, 1.03)
+        if drafted:
+            p.plan(ids, conf, max_len, 100 + t, k=2)
+            r = StepRecord(
+                t, 1, 3, 0, 1, 100 + t, 2 * y + 0.004, draft_seconds=0.004, num_draft_reqs=1
+            )
+            p.observe(np.array([2]), np.array([1]), r, ids)
+        else:
+            p.skip(ids, max_len, 100 + t)
+            r = StepRecord(t, 1, 1, 0, 1, 100 + t, y)
+            p.observe(np.zeros(0, np.int64), np.zeros(0, np.int64), r)
+        published.append(ref.observe(r) or published[-1])
+        fed.append(p.estimator.num_observed)
+
+    for t in range(CAP_MIN_RECORDS):  # untested: each at once
+        step(t, True)
+        assert fed[-1] == t + 1 and p.estimator.drafts_timed(1) == t + 1
+    for t in range(CAP_MIN_RECORDS, CAP_MIN_RECORDS + 5):  # steady at a tested R: folded
+        step(t, True)
+    assert fed[-1] == CAP_MIN_RECORDS
+    step(CAP_MIN_RECORDS + 5, False)
+    assert fed[-1] == CAP_MIN_RECORDS
+    step(CAP_MIN_RECORDS + 6, True)  # the first drafting step after a plain one: at once
+    assert fed[-1] == CAP_MIN_RECORDS + 7
+    for t in range(CAP_MIN_RECORDS + 7, CAP_MIN_RECORDS + 7 + FOLD_RECORDS):
+        step(t, True)
+    assert fed[-1] == CAP_MIN_RECORDS + 7 + FOLD_RECORDS  # a full fold went in
+    assert fed[-2] == CAP_MIN_RECORDS + 7
+    for t in range(CAP_MIN_RECORDS + 7 + FOLD_RECORDS, 48):
+        step(t, t % 7 != 0)
+    assert p.estimator.num_observed < ref.num_observed
+    p.close()
+    assert p.estimator.num_observed == ref.num_observed
+    assert p.estimator.drafts_timed(1) == ref.drafts_timed(1)
+    assert p.capacity.version == published[-1].version > cap.version
+    assert p.capacity.predict(1, 3, 150) == pytest.approx(published[-1].predict(1, 3, 150))
 
 
 @given(
