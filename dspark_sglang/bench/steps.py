@@ -6,7 +6,12 @@ reports, per policy and running-request bin R (1, 2, 3-4, 5-8, … : up to a pow
 decode steps' realised rate (tokens emitted per second of step time), tokens a step, how often
 the drafter ran, median step / forward / drafter / host milliseconds, the capacity model's
 median predicted / measured step time, and for lagged the tokens emitted over the tokens its K
-was planned on (the lagged survival's top K: what the lag costs the choice of K).
+was planned on (the lagged survival's top K: what the lag costs the choice of K), and the time
+between steps: the mean gap from one decode step's end to the next one's start where both ran
+the same requests (none left or joined, so no wait for a handoff: output handling, the
+planner's learning, the server loop), and the handoff adoptions (`adopt_seconds`: target KV
+and drafter context writes) per step of the bin. Half of lagged's deficit sat there in
+session 38.
 Then each policy's forward and drafter time at identical shapes over a reference policy's
 (`--speed-reference`, default verify-all): two deployments of one engine should run the same
 forward, (R, B), in the same time, and on a shared host they do not (a served sweep on the
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import shlex
@@ -41,6 +47,7 @@ class _Step(msgspec.Struct):
     num_tokens: int
     num_prefill_tokens: int
     num_decode_reqs: int
+    kv_tokens: int
     step_seconds: float
     predicted_seconds: float | None = None
     draft_seconds: float = 0.0
@@ -49,6 +56,13 @@ class _Step(msgspec.Struct):
     num_accepted: int = 0
     planned_tokens: float | None = None
     draft_resumed: bool = False
+    started_at: float | None = None
+    adopt_seconds: float = 0.0
+    # set by read_steps from the next record: the gap to it when it is a decode step of the
+    # same requests (None: a request left or joined, a prefill step, the log's end, or
+    # unstamped records), and the adoptions it carries (those between the two steps)
+    gap_after: float | None = None
+    adopt_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,8 @@ class BinRow:
     forward_ms: float  # nan: the engine did not time its forward
     drafter_ms: float  # over drafting steps; nan: none drafted
     host_ms: float  # step - forward - drafter
+    gap_ms: float  # mean gap to a next step of the same requests, adoptions out; nan: none
+    adopt_ms: float  # handoff adoptions after the bin's steps, per step
     predicted_over_measured: float  # nan: no capacity model priced the steps
     # lagged: emitted / planned tokens over the steps whose K was planned on lagged survival
     realised_over_planned: float
@@ -77,25 +93,48 @@ def r_bin_bounds(r: int) -> tuple[int, int]:
 
 
 def read_steps(path: Path) -> list[_Step]:
-    """Decode-only steps (no prompt tokens in the forward) of one step log."""
+    """Decode-only steps (no prompt tokens in the forward) of one step log, each with the gap
+    to the next record and the adoptions that record carries."""
     dec = msgspec.json.Decoder(_Step)
-    out = []
+    every = []
     with path.open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                s = dec.decode(line)
+                every.append(dec.decode(line))
             except msgspec.DecodeError as e:
                 raise ValueError(f"{path}:{n}: not a step record ({e})") from None
-            if s.num_prefill_tokens == 0 and s.num_reqs > 0 and s.step_seconds > 0.0:
-                out.append(s)
-    return out
+    decode = [s.num_prefill_tokens == 0 and s.num_reqs > 0 and s.step_seconds > 0.0 for s in every]
+    for i, (s, nxt) in enumerate(itertools.pairwise(every)):
+        if not decode[i]:
+            continue
+        s.adopt_after = nxt.adopt_seconds
+        if decode[i + 1] and _same_requests(s, nxt) and _stamped(s, nxt):
+            s.gap_after = nxt.started_at - s.started_at - s.step_seconds - nxt.adopt_seconds
+    return [s for s, d in zip(every, decode, strict=True) if d]
+
+
+def _same_requests(s: _Step, nxt: _Step) -> bool:
+    """Whether `nxt` decodes the requests `s` did: as many, and its context (kv_tokens, less the
+    tokens it forwards) is `s`'s plus what `s` emitted. A request that left and one that joined
+    between them (a wait for its handoff: at c = 1 about 26 ms) break the sum."""
+    ctx, emitted = s.kv_tokens - s.num_tokens, s.num_decode_reqs + s.num_accepted
+    return nxt.num_reqs == s.num_reqs and nxt.kv_tokens - nxt.num_tokens == ctx + emitted
+
+
+def _stamped(*ss: _Step) -> bool:
+    return all(s.started_at is not None and math.isfinite(s.started_at) for s in ss)
 
 
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return float(np.median(xs)) if xs else math.nan
+
+
+def _mean(xs: list[float | None]) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.mean(xs)) if xs else math.nan
 
 
 def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
@@ -135,6 +174,8 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
                 forward_ms=1e3 * _median(fwd),
                 drafter_ms=1e3 * _median([s.draft_seconds for s in drafted]),
                 host_ms=1e3 * _median(host),
+                gap_ms=1e3 * _mean([s.gap_after for s in ss]),
+                adopt_ms=1e3 * float(np.mean([s.adopt_after for s in ss])),
                 predicted_over_measured=_median(ratio),
                 realised_over_planned=(
                     sum(t for t, _ in planned) / sum(p for _, p in planned) if planned else math.nan
@@ -244,7 +285,7 @@ def print_table(rows: list[BinRow]) -> None:
     head = (
         f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'B':>6s} {'tok/step':>8s} "
         f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
-        f"{'host ms':>7s} {'pred/real':>9s} {'real/plan':>9s}"
+        f"{'host ms':>7s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s}"
     )
     print(head)
     for r in sorted(rows, key=lambda r: (r.r_hi, -r.tok_per_s)):
@@ -254,7 +295,8 @@ def print_table(rows: list[BinRow]) -> None:
             f"{r.mean_tokens_in_forward:6.1f} {r.tokens_per_step:8.2f} {r.tok_per_s:8.1f} "
             f"{r.tok_per_s / best[(r.r_lo, r.r_hi)]:6.3f} {_fmt(r.step_ms, '8.2f')} "
             f"{_fmt(r.forward_ms, '7.2f')} {_fmt(r.drafter_ms, '8.2f')} "
-            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.predicted_over_measured, '9.3f')} "
+            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.gap_ms, '6.2f')} {_fmt(r.adopt_ms, '8.2f')} "
+            f"{_fmt(r.predicted_over_measured, '9.3f')} "
             f"{_fmt(r.realised_over_planned, '9.3f')}"
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -93,6 +94,50 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
         three.realised_over_planned,
     ):
         assert math.isnan(nan)
+
+
+def test_gaps_between_steps_of_the_same_requests_and_adoptions(tmp_path: Path) -> None:
+    """The gap after a decode step counts when the next record decodes the same requests (its
+    context is this one's plus what this one emitted), with the adoptions it carries taken out
+    and reported apart; a request swap (a wait for a handoff), a prefill step and unstamped
+    records give no gap."""
+    t = 1000.0
+    recs: list[StepRecord] = []
+
+    def add(r: int, b: int, ctx: int, step: float, gap: float, **kw: object) -> None:
+        nonlocal t
+        recs.append(
+            StepRecord(
+                step=len(recs),
+                num_reqs=r,
+                num_tokens=b,
+                num_prefill_tokens=kw.pop("prefill", 0),
+                num_decode_reqs=r,
+                kv_tokens=ctx + b,
+                step_seconds=step,
+                started_at=t,
+                **kw,
+            )
+        )
+        t += step + gap
+
+    # two requests, drafting: 2 anchors + 3 accepted emitted a step, contexts 100 + 5 each step
+    add(2, 8, 100, 0.010, 0.0006, num_accepted=3)
+    add(2, 8, 105, 0.010, 0.0021, num_accepted=3)  # an adoption of 1.5 ms rides in this gap
+    add(2, 8, 110, 0.010, 0.0300, num_accepted=3, adopt_seconds=0.0015)
+    # a request left and another joined after 30 ms (context 40 less, not 5 more): no gap
+    add(2, 8, 75, 0.010, 0.0004, num_accepted=3)
+    add(2, 40, 80, 0.030, 0.0005, prefill=32)  # a prefill step follows: no gap either
+    add(2, 8, 112, 0.010, 0.0, num_accepted=3)  # the log's last record: no gap
+    log = _write(tmp_path / "lagged" / "decode0.steps.jsonl", recs)
+    (two,) = steps.summarize("lagged", steps.read_steps(log))
+    assert two.steps == 5
+    assert two.gap_ms == pytest.approx((0.6 + (2.1 - 1.5)) / 2)
+    assert two.adopt_ms == pytest.approx(1.5 / 5)
+    unstamped = [dataclasses.replace(r, started_at=math.nan) for r in recs]
+    (two,) = steps.summarize("lagged", steps.read_steps(_write(tmp_path / "u.jsonl", unstamped)))
+    assert math.isnan(two.gap_ms)
+    assert two.adopt_ms == pytest.approx(1.5 / 5)
 
 
 def test_cli_reads_a_sweep_folder_and_writes_csv_and_json(
