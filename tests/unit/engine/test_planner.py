@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dspark_sglang.algo.capacity import CapacityModel
+from dspark_sglang.algo.capacity_fit import LiveEstimator
 from dspark_sglang.algo.survival import survival
-from dspark_sglang.engine.planner import _conditionals, ctx_bucket
+from dspark_sglang.engine.planner import VerifyPlanner, _conditionals, ctx_bucket
 
 
 @given(st.integers(0, 10**9), st.integers(0, 10**9))
@@ -427,16 +429,11 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
         DraftConfig(explore_ratio=1.5)
 
 
-def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None:
-    """Records of steps that did not draft wait until FOLD_RECORDS are queued; a drafting step's
-    record that is news (here: no plan() before it, so no steady drafting run) feeds the queue
-    and itself at once, and close() feeds what is left. The estimator ends exactly where one
-    fed record by record ends, and the planner holds the model it last published."""
-    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
-    from dspark_sglang.algo.capacity_fit import LiveEstimator
+def _live_lagged_planner() -> tuple[CapacityModel, VerifyPlanner, LiveEstimator]:
+    """A lagged planner (γ = 4) with a live estimator on a small table model, and a reference
+    estimator on the same model to feed record by record."""
+    from dspark_sglang.algo.capacity import Curve, TableModel
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
-    from dspark_sglang.engine.planner import FOLD_RECORDS, VerifyPlanner
-    from dspark_sglang.types import StepRecord
 
     buckets = (1, 2, 4, 8, 16)
     cap = CapacityModel(
@@ -444,8 +441,19 @@ def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None
         draft=Curve((1.0, 64.0), (0.003, 0.01)),
     )
     p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False, True)
-    ref = LiveEstimator(cap)
     assert p.estimator is not None
+    return cap, p, LiveEstimator(cap)
+
+
+def test_plain_step_records_reach_the_estimator_in_folds_in_step_order() -> None:
+    """Records of steps that did not draft wait until FOLD_RECORDS are queued; a drafting step's
+    record that is news (here: no plan() before it, so no steady drafting run) feeds the queue
+    and itself at once, and close() feeds what is left. The estimator ends exactly where one
+    fed record by record ends, and the planner holds the model it last published."""
+    from dspark_sglang.engine.planner import FOLD_RECORDS
+    from dspark_sglang.types import StepRecord
+
+    _, p, ref = _live_lagged_planner()
     none = np.zeros(0, np.int64)
     rng = np.random.default_rng(0)
 
@@ -486,20 +494,11 @@ def test_steady_drafting_records_fold_once_their_price_is_tested() -> None:
     drafting steps timed its R, and as the first of a drafting run (after a plain step); steady
     drafting steps at a tested R wait for the fold like plain ones. The estimator ends where one
     fed record by record ends."""
-    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
-    from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator
-    from dspark_sglang.algo.verify_budget import parse_schedule_mode
-    from dspark_sglang.engine.planner import FOLD_RECORDS, VerifyPlanner
+    from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS
+    from dspark_sglang.engine.planner import FOLD_RECORDS
     from dspark_sglang.types import StepRecord
 
-    buckets = (1, 2, 4, 8, 16)
-    cap = CapacityModel(
-        TableModel(buckets, tuple(0.002 + 0.001 * b for b in buckets)),
-        draft=Curve((1.0, 64.0), (0.003, 0.01)),
-    )
-    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, True, 0.0, False, True)
-    ref = LiveEstimator(cap)
-    assert p.estimator is not None
+    cap, p, ref = _live_lagged_planner()
     ids, max_len, conf = [7], np.array([4]), np.full((1, 4), 2.0)
     rng = np.random.default_rng(1)
     fed: list[int] = []  # estimator records after each step
