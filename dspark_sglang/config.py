@@ -255,6 +255,10 @@ class DraftConfig:
     # drafts and reported in the planner's state). Off: A/B runs on the CPU engine measured no
     # difference (docs/scheduler.md "How much of a lagged row holds up").
     lag_shrink: bool = False
+    # lagged mode, K planned inline (overlap off): once two K searches in a row chose to verify
+    # every draft of the same batch, search and learn again only every this many steps; the
+    # steps between verify every draft (docs/scheduler.md "Pinned at verify-all"). 1 = every step.
+    replan_every: int = 4
     # The drafter's weights and context K/V. auto = the target's dtype, except that an fp32
     # target on a CPU with native bf16 matrix instructions gets bf16 products of 16 rows or more
     # (4-5x faster GEMMs there: served drafter 44.4 -> 28.1 ms a pass at R = 64; docs/engine.md).
@@ -274,6 +278,8 @@ class DraftConfig:
             raise ConfigError("--min-user-tps must be >= 0")
         if not 0.0 <= self.explore_ratio <= 1.0:
             raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
+        if self.replan_every < 1:
+            raise ConfigError(f"--lagged-replan-every must be >= 1, got {self.replan_every}")
         if self.startup_profile_seconds <= 0:
             raise ConfigError("--startup-profile-seconds must be positive")
         if self.startup_profile_rounds < 1:

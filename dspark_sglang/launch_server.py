@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
         "untested and priced within this share of the best plan (0 = never; default %(default)s)",
     )
     a(
+        "--lagged-replan-every",
+        dest="replan_every",
+        type=int,
+        default=dc.replan_every,
+        help="lagged mode: once K chose to verify every draft of the same batch twice in a row, "
+        "search K and learn acceptance only every N steps, verifying every draft between "
+        "(1 = every step; default %(default)s)",
+    )
+    a(
         "--enable-lag-shrink",
         dest="lag_shrink",
         action="store_true",
@@ -257,6 +266,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,
             lag_shrink=args.lag_shrink,
+            replan_every=args.replan_every,
             draft_dtype=args.draft_dtype,
         ),
         seed=args.seed,

@@ -128,3 +128,6 @@ class StepRecord:
     # record: decode-worker work between steps that step_seconds leaves out (a speculative
     # engine writes each handoff's drafter context, 0.4-1.5 ms a request on the CPU engine)
     adopt_seconds: float = 0.0
+    # lagged: the step verified every draft without a K search or acceptance learning (pinned at
+    # verify-all, engine/planner.py PIN_PLANS)
+    pinned: bool = False

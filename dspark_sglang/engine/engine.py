@@ -230,6 +230,7 @@ class LLMEngine:
             cfg.selective_draft,
             cfg.explore_ratio,
             cfg.lag_shrink,
+            cfg.replan_every,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:
@@ -661,6 +662,7 @@ class LLMEngine:
             planned_tokens=p.planned_tokens if p else float("nan"),
             started_at=self._started_at,
             adopt_seconds=self._adopt_seconds,
+            pinned=p is not None and p.pinned,
         )
         self._adopt_seconds = 0.0
         if self.planner is not None and p is not None:

@@ -119,6 +119,14 @@ FOLD_RECORDS = 16
 # against it every resume looked 2-3x dear (in-process, c = 1, a host 2x slower than the
 # profile), which held lagged drafting where plain steps were faster.
 RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
+# Pinned at verify-all (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose
+# to verify every draft of the same batch (the same requests and caps, under the same capacity
+# model), the next replan_every - 1 steps verify every draft without a search, and learn
+# acceptance only on the step whose survival the next search reads (`lag` steps before it).
+# A step's planner work costs more than its own time on the CPU engine: served, 2026-12-05
+# (c = 1-2, four passes), lagged's forward and drafter ran 4-5 % slower than verify-all's at
+# identical shapes, and pinned they ran as fast (docs/scheduler.md "Pinned at verify-all").
+PIN_PLANS = 2
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -205,6 +213,7 @@ class Plan:
     draft_rows: int = -1  # rows the drafter ran on (-1: every row, or none on a skipped step)
     resumed: bool = False  # lagged: the drafter's first run after steps without it
     planned_tokens: float = math.nan  # lagged K > 0: the tokens K was planned on (StepRecord)
+    pinned: bool = False  # lagged: verified every draft without a K search (PIN_PLANS)
 
 
 class VerifyPlanner:
@@ -220,6 +229,7 @@ class VerifyPlanner:
         selective: bool = False,
         explore_ratio: float = EXPLORE_RATIO,
         lag_shrink: bool = False,
+        replan_every: int = 1,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
@@ -241,6 +251,17 @@ class VerifyPlanner:
         self.lag_fit = LagShrink()
         self._shrinks = lag_shrink and lagged
         self._worker = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
+        # PIN_PLANS: inline lagged K only (the overlap thread hides the search already), and not
+        # with LagShrink (it learns from every step's lagged rows)
+        self.replan_every = (
+            replan_every if lagged and self._worker is None and not self._shrinks else 1
+        )
+        self._pin_plans = 0  # consecutive K searches that verified every draft of _pin's batch
+        self._pin: tuple[tuple[bytes, bytes], CapacityModel | None] | None = None
+        self._pinned_left = 0  # pinned steps before the next K search
+        self._pinned = False  # budget() pinned this step's K
+        self._learns = True  # observe() learns acceptance from this step (not a pinned plan)
+        self.pinned_steps = 0
         # next step's K: computing on the worker, or known (memo hit: no Future to build)
         self._next_k: Future[KPlan] | KPlan | None = None
         # the rows the last budget()'s K drafts, for draft_rows: ((ids, caps) bytes, K, rows)
@@ -323,7 +344,7 @@ class VerifyPlanner:
         costs no more (a drafter priced the same for any rows, or none): the live top-K then
         picks among them all."""
         draft = self._draft_for(len(ids))
-        if draft is None or k <= 0:
+        if draft is None or k <= 0 or self._pinned:
             return None
         memo, key = self._k_rows, _batch_key(ids, max_len)
         if memo is not None and memo[0] == key and memo[1] == k:  # budget() found them with K
@@ -338,11 +359,40 @@ class VerifyPlanner:
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
         assert self.plans_before_drafting
+        key = _batch_key(ids, max_len) if self.replan_every > 1 else None
+        every = int(np.asarray(max_len).sum())
+        self._pinned = self._pin_holds(key)
+        if self._pinned:
+            self._k_planned, self._fallback, self._k_rows = math.nan, "", None
+            return every
         k, rows, self._k_planned, self._fallback = self._lagged_k(
             np.asarray(ids), self._sps(len(ids), ctx), max_len
         )
         self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
+        if key is not None:
+            self._update_pin(key, k, every)
         return k
+
+    def _pin_holds(self, key: tuple[bytes, bytes] | None) -> bool:
+        """Whether this step is pinned at verify-all (PIN_PLANS): steps are left and the batch
+        and the capacity model are the ones the pin was set for (any change ends it)."""
+        if self._pinned_left <= 0 or key is None:
+            return False
+        if self._pin is None or self._pin[0] != key or self._pin[1] is not self.capacity:
+            self._pinned_left = 0
+            return False
+        self._pinned_left -= 1
+        self.pinned_steps += 1
+        return True
+
+    def _update_pin(self, key: tuple[bytes, bytes], k: int, every: int) -> None:
+        """After a K search: count it toward the pin when it verifies every draft of the batch
+        the last one planned, and pin the next replan_every - 1 steps after PIN_PLANS such."""
+        same = self._pin is not None and self._pin[0] == key and self._pin[1] is self.capacity
+        self._pin_plans = (self._pin_plans + 1 if same else 1) if 0 < k == every else 0
+        self._pin = (key, self.capacity)
+        if self._pin_plans >= PIN_PLANS:
+            self._pinned_left = self.replan_every - 1
 
     def should_probe(self) -> bool:
         """Lagged K = 0, but draft anyway this step and verify the drafts, to refresh the survival
@@ -421,6 +471,12 @@ class VerifyPlanner:
         them (a probe, or a selective K > 0 step): the next step's K is planned for the whole
         batch."""
         r = len(ids)
+        if self.plans_before_drafting and k is None:
+            k = self.budget(ids, max_len, ctx)
+        self._learns = True
+        # the next K search reads the survival pushed `lag` steps before it: that step plans
+        if self._pinned and k and batch is None and self._pinned_left != self.mode.lag - 1:
+            return self._pinned_plan(r, max_len, ctx, backlog)
         if conf_logits is not None:
             raw = sts_confidences(conf_logits, self.sts)
             self._last_raw = (np.asarray(ids), raw)
@@ -439,8 +495,7 @@ class VerifyPlanner:
         self._resume_rows = r if resumed and not backlog and conf_logits is not None else 0
         self._steady_run = not (resumed or backlog)
         if self.plans_before_drafting:
-            if k is None:
-                k = self.budget(ids, max_len, ctx)
+            assert k is not None
             # A probe verifies every draft it made: acceptance evidence at each position for the
             # confidence correction, which a head calibrated at another sampling temperature
             # needs before its survival can justify K > 0.
@@ -526,6 +581,26 @@ class VerifyPlanner:
             planned_tokens=planned,
         )
 
+    def _pinned_plan(self, r: int, max_len: np.ndarray, ctx: int, backlog: bool) -> Plan:
+        """A step pinned at verify-all (PIN_PLANS): every draft verified, the drafting-run
+        bookkeeping plan() keeps, and nothing else: no survival (the history repeats its last
+        snapshot) and no acceptance learning in observe()."""
+        self._resume_rows, self._steady_run = 0, not backlog  # pinned only after drafting
+        self._track_load(r)
+        self._end_plain_run()
+        self._drafting_run += 1
+        self._last_rows = r
+        if self._drafting_run >= PROBE_MIN:
+            self._probe_every = PROBE_MIN
+        self._since_draft = 0
+        self._learns = False
+        self.history = self.history.repeat()
+        self._skip_src = None
+        lens = np.array(max_len, np.int64)
+        b = r + int(lens.sum())
+        predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
+        return Plan(lens, int(lens.sum()), predicted, math.nan, "", pinned=True)
+
     def state(self) -> dict[str, object]:
         """What the planner has learned so far (GET /capacity): the acceptance prior, the two
         live confidence corrections, the switch price and the probe gap. Two deployments of one
@@ -546,6 +621,8 @@ class VerifyPlanner:
             # None before any spread: GET /capacity answers strict JSON, which has no NaN
             "lag_slope": slope if math.isfinite(slope := self.lag_fit.slope) else None,
             "lag_shrink_applied": self._shrinks,
+            "replan_every": self.replan_every,
+            "pinned_steps": self.pinned_steps,
         }
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
@@ -707,7 +784,9 @@ class VerifyPlanner:
     ) -> None:
         """After a step: update the acceptance prior, the confidence correction (given the
         verified rows' request ids, in the order of the arrays) and the live capacity model."""
-        if verify_lens.size:  # a skipped step verified nothing: the record is all it brings
+        learns, self._learns, self._pinned = self._learns, True, False
+        # a skipped step verified nothing (the record is all it brings); a pinned one learns not
+        if verify_lens.size and learns:
             self.observe_acceptance(verify_lens, accepted, ids)
         if rec.draft_seconds > 0.0 and math.isfinite(rec.draft_seconds):
             if self._resume_rows:
