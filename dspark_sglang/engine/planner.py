@@ -119,13 +119,15 @@ FOLD_RECORDS = 16
 # against it every resume looked 2-3x dear (in-process, c = 1, a host 2x slower than the
 # profile), which held lagged drafting where plain steps were faster.
 RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
-# Pinned at verify-all (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose
-# to verify every draft of the same batch (the same requests and caps, under the same capacity
-# model), the next replan_every - 1 steps verify every draft without a search, and learn
-# acceptance only on the step whose survival the next search reads (`lag` steps before it).
+# A pinned K (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose the same
+# K for the same batch (the same requests and caps, under the same capacity model), drafting
+# every row, the next replan_every - 1 steps take that K without a search and learn no
+# acceptance, except the step whose survival the next search reads (`lag` steps before it),
+# which plans as usual. Where K verifies every draft a pinned step computes no survival either.
 # A step's planner work costs more than its own time on the CPU engine: served, 2026-12-05
-# (c = 1-2, four passes), lagged's forward and drafter ran 4-5 % slower than verify-all's at
-# identical shapes, and pinned they ran as fast (docs/scheduler.md "Pinned at verify-all").
+# (c = 1-2, four passes), with K pinned at every draft for three steps of four lagged's forward
+# and drafter ran as fast as verify-all's at identical shapes, 2-4 % faster than without, and
+# lagged went from 0.91-0.95 of verify-all to 0.97-0.99 (docs/scheduler.md "Pinned K").
 PIN_PLANS = 2
 
 
@@ -213,7 +215,7 @@ class Plan:
     draft_rows: int = -1  # rows the drafter ran on (-1: every row, or none on a skipped step)
     resumed: bool = False  # lagged: the drafter's first run after steps without it
     planned_tokens: float = math.nan  # lagged K > 0: the tokens K was planned on (StepRecord)
-    pinned: bool = False  # lagged: verified every draft without a K search (PIN_PLANS)
+    pinned: bool = False  # lagged: K taken from the pin, without a search (PIN_PLANS)
 
 
 class VerifyPlanner:
@@ -256,10 +258,11 @@ class VerifyPlanner:
         self.replan_every = (
             replan_every if lagged and self._worker is None and not self._shrinks else 1
         )
-        self._pin_plans = 0  # consecutive K searches that verified every draft of _pin's batch
-        self._pin: tuple[tuple[bytes, bytes], CapacityModel | None] | None = None
+        self._pin_plans = 0  # consecutive K searches that chose _pin's K for _pin's batch
+        # (batch, capacity model, K) of the last K search
+        self._pin: tuple[tuple[bytes, bytes], CapacityModel | None, int] | None = None
         self._pinned_left = 0  # pinned steps before the next K search
-        self._pinned = False  # budget() pinned this step's K
+        self._pinned = False  # budget() took this step's K from the pin
         self._learns = True  # observe() learns acceptance from this step (not a pinned plan)
         self.pinned_steps = 0
         # next step's K: computing on the worker, or known (memo hit: no Future to build)
@@ -360,37 +363,40 @@ class VerifyPlanner:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
         assert self.plans_before_drafting
         key = _batch_key(ids, max_len) if self.replan_every > 1 else None
-        every = int(np.asarray(max_len).sum())
-        self._pinned = self._pin_holds(key)
+        pinned = self._pin_holds(key)
+        self._pinned = pinned > 0
         if self._pinned:
             self._k_planned, self._fallback, self._k_rows = math.nan, "", None
-            return every
+            return pinned
         k, rows, self._k_planned, self._fallback = self._lagged_k(
             np.asarray(ids), self._sps(len(ids), ctx), max_len
         )
         self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
         if key is not None:
-            self._update_pin(key, k, every)
+            self._update_pin(key, k if rows is None or rows.size == len(ids) else 0)
         return k
 
-    def _pin_holds(self, key: tuple[bytes, bytes] | None) -> bool:
-        """Whether this step is pinned at verify-all (PIN_PLANS): steps are left and the batch
-        and the capacity model are the ones the pin was set for (any change ends it)."""
-        if self._pinned_left <= 0 or key is None:
-            return False
-        if self._pin is None or self._pin[0] != key or self._pin[1] is not self.capacity:
+    def _pin_holds(self, key: tuple[bytes, bytes] | None) -> int:
+        """The pinned K for this step (PIN_PLANS), or 0: steps are left and the batch and the
+        capacity model are the ones the pin was set for (any change ends it)."""
+        pin = self._pin
+        if self._pinned_left <= 0 or key is None or pin is None:
+            return 0
+        if pin[0] != key or pin[1] is not self.capacity:
             self._pinned_left = 0
-            return False
+            return 0
         self._pinned_left -= 1
         self.pinned_steps += 1
-        return True
+        return pin[2]
 
-    def _update_pin(self, key: tuple[bytes, bytes], k: int, every: int) -> None:
-        """After a K search: count it toward the pin when it verifies every draft of the batch
-        the last one planned, and pin the next replan_every - 1 steps after PIN_PLANS such."""
-        same = self._pin is not None and self._pin[0] == key and self._pin[1] is self.capacity
-        self._pin_plans = (self._pin_plans + 1 if same else 1) if 0 < k == every else 0
-        self._pin = (key, self.capacity)
+    def _update_pin(self, key: tuple[bytes, bytes], k: int) -> None:
+        """After a K search (k: 0 unless it drafts every row): count it toward the pin when it
+        chose the last search's K for the same batch, and pin the next replan_every - 1 steps
+        after PIN_PLANS such."""
+        pin = self._pin
+        same = pin is not None and pin[0] == key and pin[1] is self.capacity and pin[2] == k
+        self._pin_plans = (self._pin_plans + 1 if same else 1) if k > 0 else 0
+        self._pin = (key, self.capacity, k)
         if self._pin_plans >= PIN_PLANS:
             self._pinned_left = self.replan_every - 1
 
@@ -476,7 +482,7 @@ class VerifyPlanner:
         self._learns = True
         # the next K search reads the survival pushed `lag` steps before it: that step plans
         if self._pinned and k and batch is None and self._pinned_left != self.mode.lag - 1:
-            return self._pinned_plan(r, max_len, ctx, backlog)
+            return self._pinned_plan(conf_logits, k, max_len, ctx, backlog)
         if conf_logits is not None:
             raw = sts_confidences(conf_logits, self.sts)
             self._last_raw = (np.asarray(ids), raw)
@@ -579,12 +585,20 @@ class VerifyPlanner:
             self._fallback,
             resumed=resumed,
             planned_tokens=planned,
+            pinned=self._pinned,  # the step the next search reads: K pinned, planned as usual
         )
 
-    def _pinned_plan(self, r: int, max_len: np.ndarray, ctx: int, backlog: bool) -> Plan:
-        """A step pinned at verify-all (PIN_PLANS): every draft verified, the drafting-run
-        bookkeeping plan() keeps, and nothing else: no survival (the history repeats its last
-        snapshot) and no acceptance learning in observe()."""
+    def _pinned_plan(
+        self, conf_logits: np.ndarray | None, k: int, max_len: np.ndarray, ctx: int, backlog: bool
+    ) -> Plan:
+        """A step with a pinned K (PIN_PLANS): the K top drafts by this step's survival verified
+        (every draft: no survival needed), the drafting-run bookkeeping plan() keeps, and
+        nothing else: the history repeats its last snapshot, observe() learns no acceptance."""
+        r = len(max_len)
+        lens = np.array(max_len, np.int64)
+        if k < int(lens.sum()) and conf_logits is not None:
+            surv = self._survival(sts_confidences(conf_logits, self.sts))
+            lens = assign_top_k(surv, k, max_len=max_len)
         self._resume_rows, self._steady_run = 0, not backlog  # pinned only after drafting
         self._track_load(r)
         self._end_plain_run()
@@ -596,7 +610,6 @@ class VerifyPlanner:
         self._learns = False
         self.history = self.history.repeat()
         self._skip_src = None
-        lens = np.array(max_len, np.int64)
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
         return Plan(lens, int(lens.sum()), predicted, math.nan, "", pinned=True)

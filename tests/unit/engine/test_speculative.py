@@ -518,6 +518,40 @@ def test_lagged_overlap_thread_plans_the_k_inline_planning_would(
     assert fb_on == {"no_overlap_plan": 1} and fb_off == fb_d == {}
 
 
+def test_lagged_pinned_at_verify_all_is_lossless_and_searches_every_fourth_step(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A drafter that is always right on a cheap curve: every K search verifies every draft, so
+    the default pins (engine/planner.py PIN_PLANS): steps marked `pinned` verify every draft,
+    no more than three in a row, and the outputs are greedy's, as with a search every step."""
+    target, _ = pair
+    ps = prompts(2, seed=9)
+    long = SamplingParams(temperature=0.0, max_tokens=120)  # 20 always-right steps a request
+    ref = LLM(str(target), num_blocks=128, page_size=4).generate(ps, long)
+    want = {tuple(p): o.output_ids for p, o in zip(ps, ref, strict=True)}
+    runs = {}
+    for every in (1, 4):
+        spec = lagged_on_fixed_curve(
+            pair, tmp_path, 0.0, max_running_requests=1, replan_every=every
+        )
+        spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
+        recs: list[StepRecord] = []
+        spec.on_step = recs.append
+        outs = spec.generate(ps, long)
+        assert spec.planner is not None
+        runs[every] = ([o.output_ids for o in outs], recs, spec.planner.pinned_steps)
+        spec.close()
+    assert runs[1][0] == runs[4][0] == [o.output_ids for o in ref]
+    assert runs[1][2] == 0 and not any(r.pinned for r in runs[1][1])
+    pinned = [r for r in runs[4][1] if r.pinned]
+    assert len(pinned) == runs[4][2] >= 10
+    gamma = max(r.verify_budget_k for r in runs[1][1])
+    for r in pinned:  # every draft verified (a request's last steps cap it; none here)
+        assert r.verify_budget_k == gamma and r.num_tokens == 1 + gamma
+    flags = "".join("p" if r.pinned else "." for r in runs[4][1])
+    assert "pppp" not in flags
+
+
 def test_lagged_records_the_tokens_each_k_was_planned_on(
     pair: tuple[Path, Path], tmp_path: Path
 ) -> None:

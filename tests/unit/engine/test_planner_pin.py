@@ -1,0 +1,167 @@
+"""engine/planner.py: lagged pinned at verify-all (PIN_PLANS, `replan_every`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_sglang.algo.capacity import CapacityModel, TableModel
+from dspark_sglang.algo.verify_budget import parse_schedule_mode
+from dspark_sglang.config import ConfigError, DraftConfig
+from dspark_sglang.engine.planner import Plan, VerifyPlanner
+from dspark_sglang.types import StepRecord
+
+GAMMA = 4
+CHEAP = CapacityModel(TableModel((1, 64), (0.010, 0.011)))  # a verified draft costs ~0.2 %
+
+
+def lagged(replan_every: int, **kw: object) -> tuple[VerifyPlanner, list[int]]:
+    """A lagged planner on a cheap fixed curve, and the list its K searches append to."""
+    p = VerifyPlanner(
+        parse_schedule_mode("lagged"),
+        GAMMA,
+        CHEAP,
+        None,
+        False,
+        0.0,
+        bool(kw.pop("overlap", False)),
+        replan_every=replan_every,
+        **kw,  # type: ignore[arg-type]
+    )
+    searches: list[int] = []
+    inner = p._k_from_history
+
+    def spy(*a: object, **k: object) -> object:
+        searches.append(p.pinned_steps)
+        return inner(*a, **k)  # type: ignore[arg-type]
+
+    p._k_from_history = spy  # type: ignore[method-assign]
+    return p, searches
+
+
+def step(
+    p: VerifyPlanner,
+    t: int,
+    logit: float | np.ndarray = 6.0,
+    max_len: np.ndarray | None = None,
+) -> tuple[int, Plan]:
+    """One engine step: budget, plan on the drafts' confidence logits (one request, or one row
+    per request of `logit` [R, GAMMA]), every verified draft accepted."""
+    logits = np.full((1, GAMMA), logit) if np.isscalar(logit) else np.asarray(logit)
+    r = logits.shape[0]
+    ids = list(range(7, 7 + r))
+    caps = np.full(r, GAMMA) if max_len is None else max_len
+    k = p.budget(ids, caps, 100)
+    plan = p.plan(ids, logits, caps, 100, k)
+    rec = StepRecord(
+        step=t,
+        num_reqs=r,
+        num_tokens=r + int(plan.lengths.sum()),
+        num_prefill_tokens=0,
+        num_decode_reqs=r,
+        kv_tokens=100,
+        step_seconds=0.012,
+        draft_seconds=0.002,
+        num_draft_reqs=r,
+    )
+    p.observe(plan.lengths, plan.lengths.copy(), rec, ids)
+    return k, plan
+
+
+def test_two_searches_that_verify_every_draft_pin_the_next_steps_until_every_fourth() -> None:
+    """After two K searches in a row that verify every draft of one batch, the next three steps
+    verify every draft without a search; of those, the step whose survival the next search
+    reads (lag = 2 before it) plans and learns as usual, the others push no survival (the
+    history repeats) and leave the acceptance prior alone."""
+    p, searches = lagged(4)
+    pinned, learned, snap3 = [], [], None
+    for t in range(10):
+        if t == 5:  # the search reads the snapshot step 3 pushed
+            assert p.history.snapshots[-2] is snap3
+        before = p.prior
+        k, plan = step(p, t)
+        assert k == GAMMA and plan.lengths.tolist() == [GAMMA]
+        pinned.append(plan.pinned)
+        learned.append(p.prior is not before)
+        if t == 3:
+            snap3 = p.history.snapshots[-1]
+    assert searches == [0, 0, 3, 6]  # steps 0, 1, 5 and 9 searched
+    assert pinned == [False, False, True, True, True, False, True, True, True, False]
+    assert learned == [True, True, False, True, False, True, False, True, False, True]
+    assert p.state()["pinned_steps"] == 6 and p.state()["replan_every"] == 4
+
+
+def test_a_new_batch_or_a_new_capacity_model_ends_the_pin() -> None:
+    p, searches = lagged(4)
+    step(p, 0)
+    step(p, 1)  # pinned from here
+    step(p, 2, max_len=np.array([GAMMA - 1]))  # the request's cap shrank: a new batch
+    assert len(searches) == 3 and p.pinned_steps == 0
+    step(p, 3, max_len=np.array([GAMMA - 1]))  # the second search on that batch: pinned again
+    step(p, 4, max_len=np.array([GAMMA - 1]))
+    assert len(searches) == 4 and p.pinned_steps == 1
+    p.capacity = CapacityModel(TableModel((1, 64), (0.010, 0.011)))  # a live refit published
+    step(p, 5, max_len=np.array([GAMMA - 1]))
+    assert len(searches) == 5 and p.pinned_steps == 1
+
+
+def test_a_pinned_k_below_every_draft_verifies_the_drafts_a_search_would() -> None:
+    """Two requests and a curve whose step costs three times as much past B = 4: K = 2 every
+    step. Pinned, a step verifies the two top drafts by its own survival (those of the request
+    confident this step, or one of each), as a planner that searches every step does."""
+    dear = CapacityModel(TableModel((2, 4, 5, 64), (0.010, 0.011, 0.030, 0.031)))
+    a, b = [6.0] * GAMMA, [0.0] * GAMMA
+    turns = [np.array([a, b]), np.array([b, a]), np.array([a, a])]
+    plans = {}
+    for every in (1, 4):
+        p, _ = lagged(every)
+        p.capacity = dear
+        plans[every] = [step(p, t, turns[t % 3])[1] for t in range(8)]
+    assert [x.pinned for x in plans[4]] == [False, False, True, True, True, False, True, True]
+    assert {x.k for x in plans[4]} == {2}
+    assert {tuple(x.lengths.tolist()) for x in plans[4] if x.pinned} == {(1, 1), (0, 2), (2, 0)}
+    assert [x.lengths.tolist() for x in plans[4]] == [x.lengths.tolist() for x in plans[1]]
+
+
+def test_a_selective_k_that_drafts_some_rows_is_never_pinned() -> None:
+    """One confident request among four and a drafter priced by its rows: each search drafts
+    that one alone, and a pin would draft every row, so every step searches."""
+    from dspark_sglang.algo.capacity import Curve
+
+    cap = CapacityModel(
+        TableModel((1, 256), (0.08, 0.08)), draft=Curve((1.0, 64.0), (0.025, 1.285))
+    )
+    p, searches = lagged(4, selective=True)
+    p.capacity = cap
+    ids, max_len = [3, 5, 7, 9], np.array([GAMMA] * 4)
+    logits = np.array([[4.0] * GAMMA] + [[-4.0] * GAMMA] * 3)
+    p.plan(ids, logits, max_len, 40, 0)  # probes of every row: the lag's history
+    p.plan(ids, logits, max_len, 40, 0)
+    for _ in range(6):
+        k = p.budget(ids, max_len, 40)
+        keep = p.draft_rows(ids, k, max_len)
+        assert k > 0 and keep is not None and keep.tolist() == [0]
+        p.plan([3], logits[:1], max_len[:1], 40, k, (ids, max_len, 40))
+    assert len(searches) == 6 and p.pinned_steps == 0
+
+
+@pytest.mark.parametrize("kw", [{"replan_every": 1}, {"overlap": True}, {"lag_shrink": True}])
+def test_every_step_searches_when_told_with_the_overlap_thread_and_with_lag_shrink(
+    kw: dict[str, object],
+) -> None:
+    """replan_every = 1 is the search on every step; the overlap thread already takes the
+    search off the step, and LagShrink learns from every step's lagged rows: neither pins."""
+    every = int(kw.pop("replan_every", 4))  # type: ignore[call-overload]
+    p, searches = lagged(every, **kw)
+    for t in range(8):
+        step(p, t)
+    assert p.replan_every == 1 and p.pinned_steps == 0
+    if not kw.get("overlap"):  # (the thread searches ahead, on a step's inputs or a memo's)
+        assert len(searches) == 8
+    p.close()
+
+
+def test_the_servers_default_is_four_and_below_one_is_a_config_error() -> None:
+    assert DraftConfig().replan_every == 4
+    with pytest.raises(ConfigError, match="--lagged-replan-every"):
+        DraftConfig(replan_every=0)
