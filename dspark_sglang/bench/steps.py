@@ -4,7 +4,8 @@ Reads the step logs a server writes with `--step-log DIR` (one JSON `StepRecord`
 `DIR/<worker>.steps.jsonl`; `bench.sweep` puts one folder per policy under `{policy}`) and
 reports, per policy and running-request bin R (1, 2, 3-4, 5-8, … : up to a power of two), the
 decode steps' realised rate (tokens emitted per second of step time), tokens a step, how often
-the drafter ran, median step / forward / drafter / host milliseconds, the capacity model's
+the drafter ran and how often a lagged K was pinned (no search: engine/planner.py PIN_PLANS),
+median step / forward / drafter / host milliseconds, the capacity model's
 median predicted / measured step time, and for lagged the tokens emitted over the tokens its K
 was planned on (the lagged survival's top K: what the lag costs the choice of K), and the time
 between steps: the mean gap from one decode step's end to the next one's start where both ran
@@ -58,6 +59,7 @@ class _Step(msgspec.Struct):
     draft_resumed: bool = False
     started_at: float | None = None
     adopt_seconds: float = 0.0
+    pinned: bool = False
     # set by read_steps from the next record: the gap to it when it is a decode step of the
     # same requests (None: a request left or joined, a prefill step, the log's end, or
     # unstamped records), and the adoptions it carries (those between the two steps)
@@ -72,6 +74,7 @@ class BinRow:
     r_hi: int
     steps: int
     drafting_share: float  # steps that ran the drafter
+    pinned_share: float  # lagged steps whose K was pinned, without a search (planner PIN_PLANS)
     mean_tokens_in_forward: float  # B
     tokens_per_step: float  # emitted: one per decode row plus the accepted drafts
     tok_per_s: float  # emitted tokens over summed step seconds
@@ -167,6 +170,7 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
                 r_hi=hi,
                 steps=len(ss),
                 drafting_share=len(drafted) / len(ss),
+                pinned_share=sum(s.pinned for s in ss) / len(ss),
                 mean_tokens_in_forward=float(np.mean([s.num_tokens for s in ss])),
                 tokens_per_step=float(np.mean(tokens)),
                 tok_per_s=float(sum(tokens) / sum(s.step_seconds for s in ss)),
@@ -283,7 +287,8 @@ def print_table(rows: list[BinRow]) -> None:
     for r in rows:
         best[(r.r_lo, r.r_hi)] = max(best.get((r.r_lo, r.r_hi), 0.0), r.tok_per_s)
     head = (
-        f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'B':>6s} {'tok/step':>8s} "
+        f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'pin%':>5s} {'B':>6s} "
+        f"{'tok/step':>8s} "
         f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
         f"{'host ms':>7s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s}"
     )
@@ -292,7 +297,8 @@ def print_table(rows: list[BinRow]) -> None:
         rng = f"{r.r_lo}" if r.r_lo == r.r_hi else f"{r.r_lo}-{r.r_hi}"
         print(
             f"{rng:>7s} {r.policy:14s} {r.steps:6d} {100 * r.drafting_share:6.1f} "
-            f"{r.mean_tokens_in_forward:6.1f} {r.tokens_per_step:8.2f} {r.tok_per_s:8.1f} "
+            f"{100 * r.pinned_share:5.1f} {r.mean_tokens_in_forward:6.1f} "
+            f"{r.tokens_per_step:8.2f} {r.tok_per_s:8.1f} "
             f"{r.tok_per_s / best[(r.r_lo, r.r_hi)]:6.3f} {_fmt(r.step_ms, '8.2f')} "
             f"{_fmt(r.forward_ms, '7.2f')} {_fmt(r.drafter_ms, '8.2f')} "
             f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.gap_ms, '6.2f')} {_fmt(r.adopt_ms, '8.2f')} "

@@ -65,8 +65,9 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
             num_accepted=3,
             predicted_seconds=0.011,
             planned_tokens=5.0,  # 4 emitted: the lagged survival promised 1 more
+            pinned=i == 1,  # the second one's K was pinned
         )
-        for _ in range(2)
+        for i in range(2)
     ]
     recs.append(_rec(1, 40, 0.050, prefill=39))  # a prompt chunk: not a decode step
     recs += [_rec(3, 3, 0.006), _rec(4, 4, 0.008)]  # forward not timed (NaN -> null)
@@ -75,6 +76,7 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
     one, three = steps.summarize("lagged", steps.read_steps(log))
     assert (one.r_lo, one.r_hi, one.steps) == (1, 1, 6)
     assert one.drafting_share == pytest.approx(2 / 6)
+    assert one.pinned_share == pytest.approx(1 / 6)
     assert one.mean_tokens_in_forward == pytest.approx((4 * 1 + 2 * 8) / 6)
     assert one.tokens_per_step == pytest.approx((4 + 2 * 4) / 6)
     assert one.tok_per_s == pytest.approx(12 / (4 * 0.003 + 2 * 0.010))
