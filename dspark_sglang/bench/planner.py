@@ -31,7 +31,7 @@ import torch
 
 from dspark_sglang.algo.verify_budget import parse_schedule_mode
 from dspark_sglang.capacity_profile import load_profile
-from dspark_sglang.config import ConfigError
+from dspark_sglang.config import ConfigError, DraftConfig
 from dspark_sglang.engine.planner import VerifyPlanner
 from dspark_sglang.hostinfo import host_facts
 from dspark_sglang.types import StepRecord
@@ -86,12 +86,17 @@ def run_mode(
     profile: Path,
     seed: int,
     evict: Evictor | None = None,
+    replan_every: int = DraftConfig().replan_every,
 ) -> dict[str, object]:
     """One planner fed `steps` synthetic steps at R = num_reqs; ns per phase summed. `evict`
-    runs where the engine runs the drafter and the forward."""
+    runs where the engine runs the drafter and the forward. As a server configures it: the
+    capacity-driven modes (sync, lagged) get the profile and the live estimator, the others
+    neither (a server gives them a capacity model only with --capacity-profile)."""
     evict = evict or Evictor(0)
     cap = load_profile(profile).model
-    p = VerifyPlanner(parse_schedule_mode(mode), gamma, cap, None, True, 0.0, False, True)
+    sched = parse_schedule_mode(mode)
+    priced = cap if sched.name in ("sync", "lagged") else None
+    p = VerifyPlanner(sched, gamma, priced, None, True, 0.0, False, True, replan_every=replan_every)
     rng = np.random.default_rng(seed)
     ids = list(range(num_reqs))
     max_len = np.full(num_reqs, gamma)
@@ -165,6 +170,7 @@ def run_mode(
         "steps": steps,
         "drafting_steps": drafted,
         "verify_tokens_per_step": round(verified / steps, 2),
+        "pinned_steps": p.pinned_steps,
         "mean_us": round(float(per_step.mean()) / 1e3, 1),
         "median_us": round(float(np.median(per_step)) / 1e3, 1),
         **{f"{name}_us": round(v / steps / 1e3, 1) for name, v in ns.items()},
@@ -202,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         "and the forward (untimed): the planner then runs with the caches as the engine leaves "
         "them; 0 = back to back (warm)",
     )
+    parser.add_argument(
+        "--replan-every",
+        type=int,
+        default=DraftConfig().replan_every,
+        help="lagged: the server's --lagged-replan-every (1 = a K search every step; default "
+        "%(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -210,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gamma must be >= 1")
     if args.evict_mb < 0:
         parser.error("--evict-mb must be >= 0")
+    if args.replan_every < 1:
+        parser.error("--replan-every must be >= 1")
     if not args.profile.is_file():
         parser.error(f"--profile {args.profile}: no such file")
     try:
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes: no mode given")
     evict = Evictor(args.evict_mb)
     rows = [
-        run_mode(m, r, args.steps, args.gamma, args.profile, args.seed, evict)
+        run_mode(m, r, args.steps, args.gamma, args.profile, args.seed, evict, args.replan_every)
         for r in reqs
         for m in modes
     ]
@@ -235,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m dspark_sglang.bench.planner " + " ".join(argv or sys.argv[1:]),
             "profile": str(args.profile),
             "evict_mb": args.evict_mb,
+            "replan_every": args.replan_every,
             "numpy": np.__version__,
             "host": host_facts(),
         }

@@ -30,6 +30,11 @@ def test_json_reports_each_mode_and_batch_by_phase(capsys: pytest.CaptureFixture
         if r["mode"] == "lagged":  # its K is planned before drafting, every step
             assert r["budget_us"] > 0
             assert r["drafting_steps"] < 60 or r["skip_us"] == 0
+        else:
+            assert r["pinned_steps"] == 0  # only lagged pins its K
+    assert planner.main([*argv, "--modes", "lagged", "--replan-every", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["pinned_steps"] for r in rows] == [0, 0]  # a search every step
 
 
 @pytest.mark.parametrize(
@@ -42,6 +47,7 @@ def test_json_reports_each_mode_and_batch_by_phase(capsys: pytest.CaptureFixture
         (["--profile", "/nonexistent.yaml"], "--profile"),
         (["--steps", "0"], "--steps"),
         (["--evict-mb", "-1"], "--evict-mb"),
+        (["--replan-every", "0"], "--replan-every"),
     ],
 )
 def test_bad_flags_are_errors_naming_the_flag(
