@@ -255,10 +255,11 @@ class DraftConfig:
     # drafts and reported in the planner's state). Off: A/B runs on the CPU engine measured no
     # difference (docs/scheduler.md "How much of a lagged row holds up").
     lag_shrink: bool = False
-    # lagged mode, K planned inline (overlap off): once two K searches in a row chose to verify
-    # every draft of the same batch, search and learn again only every this many steps; the
-    # steps between verify every draft (docs/scheduler.md "Pinned at verify-all"). 1 = every step.
-    replan_every: int = 4
+    # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
+    # for the same batch, drafting every row, search again only every this many steps; the steps
+    # between take that K, and only the one whose survival the next search reads learns
+    # acceptance (docs/scheduler.md "A pinned K"). 1 = a search every step.
+    replan_every: int = 8
     # The drafter's weights and context K/V. auto = the target's dtype, except that an fp32
     # target on a CPU with native bf16 matrix instructions gets bf16 products of 16 rows or more
     # (4-5x faster GEMMs there: served drafter 44.4 -> 28.1 ms a pass at R = 64; docs/engine.md).

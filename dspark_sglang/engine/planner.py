@@ -124,10 +124,10 @@ RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
 # every row, the next replan_every - 1 steps take that K without a search and learn no
 # acceptance, except the step whose survival the next search reads (`lag` steps before it),
 # which plans as usual. Where K verifies every draft a pinned step computes no survival either.
-# A step's planner work costs more than its own time on the CPU engine: served, 2026-12-05
-# (c = 1-2, four passes), with K pinned at every draft for three steps of four lagged's forward
-# and drafter ran as fast as verify-all's at identical shapes, 2-4 % faster than without, and
-# lagged went from 0.91-0.95 of verify-all to 0.97-0.99 (docs/scheduler.md "Pinned K").
+# Served, 2026-12-05 (2-core VM, four passes, sweep s40_pin3): lagged's host time in and between
+# its R = 1 steps, 1.69-1.76 ms with a search every step, was 1.58-1.59 pinned every 4 and 1.32
+# every 8 (verify-all's: 1.42); at R = 2, 1.91-1.94 / 1.73-1.85 / 1.68 (docs/scheduler.md "A
+# pinned K").
 PIN_PLANS = 2
 
 

@@ -161,7 +161,7 @@ def test_every_step_searches_when_told_with_the_overlap_thread_and_with_lag_shri
     p.close()
 
 
-def test_the_servers_default_is_four_and_below_one_is_a_config_error() -> None:
-    assert DraftConfig().replan_every == 4
+def test_the_servers_default_is_eight_and_below_one_is_a_config_error() -> None:
+    assert DraftConfig().replan_every == 8
     with pytest.raises(ConfigError, match="--lagged-replan-every"):
         DraftConfig(replan_every=0)
