@@ -126,7 +126,7 @@ RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
 # which plans as usual. Where K verifies every draft a pinned step computes no survival either.
 # Served, 2026-12-05 (2-core VM, four passes, sweep s40_pin3): lagged's host time in and between
 # its R = 1 steps, 1.69-1.76 ms with a search every step, was 1.58-1.59 pinned every 4 and 1.32
-# every 8 (verify-all's: 1.42); at R = 2, 1.91-1.94 / 1.73-1.85 / 1.68 (docs/scheduler.md "A
+# every 8 (verify-all's: 1.42); at R = 2, 1.89-1.94 / 1.73-1.85 / 1.68 (docs/scheduler.md "A
 # pinned K").
 PIN_PLANS = 2
 
