@@ -118,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="replan_every",
         type=int,
         default=dc.replan_every,
-        help="lagged mode: once K chose to verify every draft of the same batch twice in a row, "
-        "search K and learn acceptance only every N steps, verifying every draft between "
-        "(1 = every step; default %(default)s)",
+        help="lagged mode, K planned inline: once two K searches in a row chose the same K for "
+        "the same batch (drafting every row), take it without a search for the next N - 1 steps, "
+        "learning acceptance only on the one the next search reads (1 = a search every step; "
+        "default %(default)s)",
     )
     a(
         "--enable-lag-shrink",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_sglang.config import ConfigError
 from dspark_sglang.launch_server import build_parser, config_from_args, main
 
 
@@ -73,6 +74,12 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert not cfg.draft.lag_shrink  # lagged reads its lagged confidences at face value
     shrunk = build_parser().parse_args(["--model-path", str(model), "--enable-lag-shrink"])
     assert config_from_args(shrunk).draft.lag_shrink
+    assert cfg.draft.replan_every == 8  # a pinned lagged K is searched again every 8 steps
+    every = build_parser().parse_args(["--model-path", str(model), "--lagged-replan-every", "1"])
+    assert config_from_args(every).draft.replan_every == 1
+    never = build_parser().parse_args(["--model-path", str(model), "--lagged-replan-every", "0"])
+    with pytest.raises(ConfigError, match="--lagged-replan-every"):
+        config_from_args(never)
 
 
 def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
