@@ -520,11 +520,7 @@ class VerifyPlanner:
                 self._drafting_run = 0
                 self._plain_run += 1
             else:
-                self._end_plain_run()
-                self._drafting_run += 1
-                self._last_rows = r
-                if self._drafting_run >= PROBE_MIN:
-                    self._probe_every = PROBE_MIN
+                self._count_drafting(r)
             self._since_draft = 0
         else:
             conf = _conditionals(surv) if self._corrects else raw  # sync: the corrected survival
@@ -601,11 +597,7 @@ class VerifyPlanner:
             lens = assign_top_k(surv, k, max_len=max_len)
         self._resume_rows, self._steady_run = 0, not backlog  # pinned only after drafting
         self._track_load(r)
-        self._end_plain_run()
-        self._drafting_run += 1
-        self._last_rows = r
-        if self._drafting_run >= PROBE_MIN:
-            self._probe_every = PROBE_MIN
+        self._count_drafting(r)
         self._since_draft = 0
         self._learns = False
         self.history = self.history.repeat()
@@ -849,6 +841,15 @@ class VerifyPlanner:
             return 0.0
         rows = min(max(self._last_rows, 1), r)
         return rho * float(self.capacity.draft_seconds(rows)) / self._plain_len[0]
+
+    def _count_drafting(self, rows: int) -> None:
+        """A K > 0 step drafting `rows` rows: ends the plain run, lengthens the drafting run, and
+        after PROBE_MIN drafting steps in a row brings the probe gap back to its minimum."""
+        self._end_plain_run()
+        self._drafting_run += 1
+        self._last_rows = rows
+        if self._drafting_run >= PROBE_MIN:
+            self._probe_every = PROBE_MIN
 
     def _end_plain_run(self) -> None:
         """A K > 0 step: fold the plain run it ends into the average plain run."""
