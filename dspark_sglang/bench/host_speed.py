@@ -27,6 +27,12 @@ difference between the deployments at a concurrency, a deployment that ran its f
 than its siblings in most passes included. The scaled figures sit beside the measured ones and
 never replace them.
 
+A sweep with --fresh-deployments runs each policy on a new deployment every pass, all writing
+to the policy's step-log folder: the reference then pools the policy's deployments, and a
+deployment that ran its forwards slower than the policy's others reads as a slow host. That
+difference is the deployment's luck, not the policy's (two deployments of one configuration ran
+4-5 % apart, docs/results/s40_notes.txt), so the scaling takes it out with the host's drift.
+
 Reference shapes: the pure decode (R, B) the deployment's cells at that concurrency ran at
 least MIN_SHAPE_STEPS times together, each at its median forward seconds. A cell's factor is
 the median, over its decode steps at reference shapes (at least MIN_CELL_STEPS), of forward /

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -540,21 +540,52 @@ def run_interleaved(
     """Every policy's server up at once (started one after another, so no start-up profile
     shares the CPU), then each concurrency level measured policy after policy, in the order
     `level_order` gives: rivals are measured seconds apart instead of minutes, so the host's drift
-    (up to 13 % between passes on the shared 2-core VM) does not land on one policy."""
+    (up to 13 % between passes on the shared 2-core VM) does not land on one policy.
+
+    --fresh-deployments starts every policy's servers anew for each pass (the start order
+    rotating with the pass): two deployments of one configuration ran 4-5 % apart here for
+    reasons of their own (docs/results/s40_notes.txt), and one deployment per policy for the
+    whole sweep books that luck on the policy in every pass; fresh ones spread it over the
+    passes, where the verdict's interval sees it."""
     out = []
+    passes = range(first, first + args.passes)
+    if not args.fresh_deployments:
+        with deployments(args, args.policies, log_path) as groups:
+            for k in passes:
+                out += measure_pass(args, k, jsonl, groups)
+        return out
+    for k in passes:
+        with deployments(args, level_order(args.policies, k, 0), log_path) as groups:
+            out += measure_pass(args, k, jsonl, groups)
+    return out
+
+
+@contextlib.contextmanager
+def deployments(
+    args: argparse.Namespace, order: Sequence[str], log_path: Path
+) -> Iterator[dict[str, int]]:
+    """Each policy's server, started in `order` on its own slot (its place in --policies, so a
+    policy keeps its ports across restarts) -> each deployment's root pid by label."""
     groups: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
-        for i, policy in enumerate(args.policies):
+        for policy in order:
+            i = args.policies.index(policy)
             cmd = server_command(args, policy, i)
             print(f"== server {i} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
             url = f"http://127.0.0.1:{args.port + i}"
-            groups[policy] = stack.enter_context(Server(cmd, url, log_path, args.ready_timeout)).pid
-        slots = {p: i for i, p in enumerate(args.policies)}
-        for k in range(first, first + args.passes):
-            print(f"== pass {k}", file=sys.stderr, flush=True)
-            for j, c in enumerate(args.concurrency):
-                order = level_order(args.policies, k, j)
-                out += [measure(args, p, c, k, jsonl, slots[p], groups) for p in order]
+            server = stack.enter_context(Server(cmd, url, log_path, args.ready_timeout))
+            groups[policy] = server.pid
+        yield groups
+
+
+def measure_pass(
+    args: argparse.Namespace, k: int, jsonl: Path, groups: dict[str, int]
+) -> list[dict[str, Any]]:
+    print(f"== pass {k}", file=sys.stderr, flush=True)
+    out = []
+    for j, c in enumerate(args.concurrency):
+        order = level_order(args.policies, k, j)
+        out += [measure(args, p, c, k, jsonl, args.policies.index(p), groups) for p in order]
     return out
 
 
@@ -680,6 +711,12 @@ def build_parser() -> argparse.ArgumentParser:
         "after policy (rivals seconds apart; needs memory for all servers at once)",
     )
     ap.add_argument(
+        "--fresh-deployments",
+        action="store_true",
+        help="with --interleave: start every policy's server anew for each pass (a deployment's "
+        "own speed then varies between passes instead of staying with the policy)",
+    )
+    ap.add_argument(
         "--passes",
         type=int,
         default=1,
@@ -719,6 +756,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_policies(args.policies, parse_variants(args.variant), need_flags=not args.replot)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.fresh_deployments and not args.interleave:
+        print(
+            "error: --fresh-deployments needs --interleave (without it every pass already "
+            "starts each policy's server anew)",
+            file=sys.stderr,
+        )
         return 2
     raw = list(old)
     if not args.replot:

@@ -174,6 +174,48 @@ def test_interleaved_sweep_runs_one_server_per_policy_and_rotates_the_order(
     assert len(rows) == 12
 
 
+def test_fresh_deployments_start_every_policy_anew_each_pass_on_its_own_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--fresh-deployments: each pass starts every policy's server (in a rotating order) and
+    stops them all before the next pass starts its own; a policy keeps its ports. Without
+    --interleave the flag is an error naming it."""
+    events: list[tuple[str, str, str]] = []
+
+    class FakeServer(_FakeServer):
+        def __init__(self, cmd: list[str], url: str, *_: object) -> None:
+            mode = cmd[cmd.index("--schedule-mode") + 1] if "--schedule-mode" in cmd else "none"
+            self.key = (mode, url.rsplit(":", 1)[1])
+
+        def __enter__(self) -> FakeServer:
+            events.append(("start", *self.key))
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            events.append(("stop", *self.key))
+
+    def fake_run(ns: object) -> dict:
+        meta = dict(ns.metadata)  # type: ignore[attr-defined]
+        events.append(("measure", meta["policy"], ns.base_url.rsplit(":", 1)[1]))  # type: ignore[attr-defined]
+        return _fake_result(ns)
+
+    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep.serving, "run", fake_run)
+    argv = ["--interleave", "--fresh-deployments", "--passes", "3", "--policies"]
+    argv += ["verify-all,lagged", "--concurrency", "1,2", "--out-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--name", "f"]) == 0
+    kinds = [e[0] for e in events]
+    assert kinds == (["start"] * 2 + ["measure"] * 4 + ["stop"] * 2) * 3
+    starts = [e[1] for e in events if e[0] == "start"]
+    assert starts == ["verify-all", "lagged", "lagged", "verify-all", "verify-all", "lagged"]
+    port = {e[1]: e[2] for e in events if e[0] == "start"}
+    assert all(e[2] == port[e[1]] for e in events if e[0] == "start")
+    assert all(e[2] == port[e[1]] for e in events if e[0] == "measure")
+    assert len((tmp_path / "f.jsonl").read_text().splitlines()) == 12
+    assert sweep.main([*argv[1:], "--name", "g"]) == 2
+    assert "--fresh-deployments needs --interleave" in capsys.readouterr().err
+
+
 def test_level_order_never_measures_a_policy_twice_in_a_row_and_balances_places() -> None:
     """Within a pass no policy runs two cells back to back, and over n passes each policy takes
     every place at every level once (two policies: the order flips from pass to pass)."""
