@@ -244,20 +244,18 @@ class VerifyPlanner:
         self._queued: list[StepRecord] = []  # step records not fed to the estimator yet
         self.min_user_tps = min_user_tps
         self.prior = AcceptancePrior.uniform(gamma)
-        # lagged: one snapshot more than K reads, so observe() still finds the rows this step's
-        # K was planned from once plan() pushed its own (LagShrink learns from them)
+        # lagged: two snapshots more than K reads, so observe() still finds the rows this step's
+        # K was planned from once plan() pushed its own (LagShrink learns from them), and the
+        # one before those, which tells whether they were a repeat (_learn_lag)
         lagged = mode.name == "lagged"
-        self.history = SurvivalHistory(depth=max(mode.lag, 1) + lagged)
+        self.history = SurvivalHistory(depth=max(mode.lag, 1) + 2 * lagged)
         # how much of a lagged row's departure from the average row K believes (LagShrink),
         # learned and applied with `lag_shrink` only
         self.lag_fit = LagShrink()
         self._shrinks = lag_shrink and lagged
         self._worker = ThreadPoolExecutor(1) if overlap and mode.name == "lagged" else None
-        # PIN_PLANS: inline lagged K only (the overlap thread hides the search already), and not
-        # with LagShrink (it learns from every step's lagged rows)
-        self.replan_every = (
-            replan_every if lagged and self._worker is None and not self._shrinks else 1
-        )
+        # PIN_PLANS: inline lagged K only (the overlap thread hides the search already)
+        self.replan_every = replan_every if lagged and self._worker is None else 1
         self._pin_plans = 0  # consecutive K searches that chose _pin's K for _pin's batch
         # (batch, capacity model, K) of the last K search
         self._pin: tuple[tuple[bytes, bytes], CapacityModel | None, int] | None = None
@@ -899,9 +897,13 @@ class VerifyPlanner:
 
     def _learn_lag(self, ids: np.ndarray, verify_lens: np.ndarray, accepted: np.ndarray) -> None:
         """Fold the verified rows that had a lagged row into LagShrink: the snapshot this step's
-        K read is `lag + 1` pushes back now that plan() pushed this step's own."""
+        K read is `lag + 1` pushes back now that plan() pushed this step's own. Not when that
+        snapshot repeats the one before it (a pinned step's, or a plain step's between two
+        agings): its rows are older than `lag` steps, and ρ is how much of a row `lag` steps
+        old still holds."""
         lag = self.mode.lag + 1
-        if len(self.history.snapshots) < lag:
+        snaps = self.history.snapshots
+        if len(snaps) < lag or (len(snaps) > lag and snaps[-lag] is snaps[-lag - 1]):
             return
         old, hit = self.history.lagged_with_hits(ids, lag, self.prior)
         if not hit.any():

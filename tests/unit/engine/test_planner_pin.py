@@ -145,12 +145,29 @@ def test_a_selective_k_that_drafts_some_rows_is_never_pinned() -> None:
     assert len(searches) == 6 and p.pinned_steps == 0
 
 
-@pytest.mark.parametrize("kw", [{"replan_every": 1}, {"overlap": True}, {"lag_shrink": True}])
-def test_every_step_searches_when_told_with_the_overlap_thread_and_with_lag_shrink(
+def test_lag_shrink_pins_too_and_learns_only_from_rows_lag_steps_old() -> None:
+    """With LagShrink a pin holds as without it. Its fit pairs a step's acceptance with the
+    snapshot `lag` steps back; a pinned step pushes a repeat, so the pin's planning step and a
+    search right after a pin may read rows older than that, and then fold nothing. N = 6:
+    searches at 0, 1, 7, 13; the pins' planning steps 5 and 11 read repeats (pushed at 3, 9),
+    the searches at 7 and 13 the planning steps' own rows (5, 11); 0 and 1 have no lag yet."""
+    p, searches = lagged(6, lag_shrink=True)
+    assert p.replan_every == 6
+    learned = []
+    for t in range(14):
+        before = p.lag_fit
+        step(p, t)
+        learned.append(p.lag_fit is not before)
+    assert len(searches) == 4 and p.pinned_steps == 10
+    assert [t for t, x in enumerate(learned) if x] == [7, 13]
+
+
+@pytest.mark.parametrize("kw", [{"replan_every": 1}, {"overlap": True}])
+def test_every_step_searches_when_told_and_with_the_overlap_thread(
     kw: dict[str, object],
 ) -> None:
     """replan_every = 1 is the search on every step; the overlap thread already takes the
-    search off the step, and LagShrink learns from every step's lagged rows: neither pins."""
+    search off the step: it does not pin."""
     every = int(kw.pop("replan_every", 4))  # type: ignore[call-overload]
     p, searches = lagged(every, **kw)
     for t in range(8):
