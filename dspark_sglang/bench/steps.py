@@ -95,6 +95,11 @@ def r_bin_bounds(r: int) -> tuple[int, int]:
     return (hi // 2 + 1 if hi > 1 else 1), hi
 
 
+def bin_label(lo: int, hi: int) -> str:
+    """An R bin as the tables print it: "1", "3-4", or "all" for (0, 0)."""
+    return "all" if hi == 0 else f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
 def read_steps(path: Path) -> list[_Step]:
     """Decode-only steps (no prompt tokens in the forward) of one step log, each with the gap
     to the next record and the adoptions that record carries."""
@@ -205,9 +210,11 @@ class SpeedRow:
     drafter_ratio: float
 
 
-def _by_shape(steps: list[_Step]) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+def by_shape(
+    steps: list[_Step], min_steps: int = MIN_SHAPE_STEPS
+) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
     """Median forward seconds per (R, B), and median drafter seconds per R over steady runs that
-    drafted every row (not resumed after plain steps), where MIN_SHAPE_STEPS steps had one."""
+    drafted every row (not resumed after plain steps), where `min_steps` steps had one."""
     fwd: dict[tuple[int, int], list[float]] = {}
     draft: dict[int, list[float]] = {}
     for s in steps:
@@ -215,18 +222,18 @@ def _by_shape(steps: list[_Step]) -> tuple[dict[tuple[int, int], float], dict[in
             fwd.setdefault((s.num_reqs, s.num_tokens), []).append(s.forward_seconds)
         if s.draft_seconds > 0.0 and s.num_draft_reqs == s.num_reqs and not s.draft_resumed:
             draft.setdefault(s.num_reqs, []).append(s.draft_seconds)
-    med = lambda d: {k: float(np.median(v)) for k, v in d.items() if len(v) >= MIN_SHAPE_STEPS}
+    med = lambda d: {k: float(np.median(v)) for k, v in d.items() if len(v) >= min_steps}
     return med(fwd), med(draft)
 
 
 def speed_rows(logs: dict[str, list[_Step]], reference: str) -> list[SpeedRow]:
     """Each other policy's time at identical shapes over `reference`'s, per R bin and overall."""
-    ref_fwd, ref_draft = _by_shape(logs[reference])
+    ref_fwd, ref_draft = by_shape(logs[reference])
     rows = []
     for policy, steps in logs.items():
         if policy == reference:
             continue
-        fwd, draft = _by_shape(steps)
+        fwd, draft = by_shape(steps)
         f = {k: fwd[k] / ref_fwd[k] for k in fwd.keys() & ref_fwd.keys()}
         d = {r: draft[r] / ref_draft[r] for r in draft.keys() & ref_draft.keys()}
         bins = sorted({r_bin_bounds(r) for r, _ in f} | {r_bin_bounds(r) for r in d})
@@ -250,7 +257,7 @@ def print_speed(rows: list[SpeedRow]) -> None:
         f"{'R':>7s} {'policy':14s} {'shapes':>6s} {'forward':>8s} {'R drafted':>9s} {'drafter':>8s}"
     )
     for r in rows:
-        rng = "all" if r.r_hi == 0 else f"{r.r_lo}" if r.r_lo == r.r_hi else f"{r.r_lo}-{r.r_hi}"
+        rng = bin_label(r.r_lo, r.r_hi)
         print(
             f"{rng:>7s} {r.policy:14s} {r.shapes:6d} {_fmt(r.forward_ratio, '8.3f')} "
             f"{r.draft_sizes:9d} {_fmt(r.drafter_ratio, '8.3f')}"
@@ -270,7 +277,7 @@ def find_logs(folder: Path, worker: str) -> dict[str, Path]:
     }
 
 
-def _plain(row: BinRow | SpeedRow) -> dict[str, object]:
+def _plain(row: object) -> dict[str, object]:
     """A row as JSON/CSV values: nan as None."""
     return {
         k: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -294,7 +301,7 @@ def print_table(rows: list[BinRow]) -> None:
     )
     print(head)
     for r in sorted(rows, key=lambda r: (r.r_hi, -r.tok_per_s)):
-        rng = f"{r.r_lo}" if r.r_lo == r.r_hi else f"{r.r_lo}-{r.r_hi}"
+        rng = bin_label(r.r_lo, r.r_hi)
         print(
             f"{rng:>7s} {r.policy:14s} {r.steps:6d} {100 * r.drafting_share:6.1f} "
             f"{100 * r.pinned_share:5.1f} {r.mean_tokens_in_forward:6.1f} "
@@ -321,7 +328,17 @@ def main(argv: list[str] | None = None) -> int:
         help="compare each policy's time at identical shapes with this one's (default "
         "%(default)s; absent: the first policy read)",
     )
+    ap.add_argument(
+        "--cells",
+        type=Path,
+        metavar="JSONL",
+        help="a sweep's per-cell records (OUT_DIR/NAME.jsonl): also compare the identical "
+        "shapes cell by cell, each policy's cell with the reference's at the same pass and c "
+        "(bench.paired_speed)",
+    )
     args = ap.parse_args(argv)
+    if args.cells is not None and not args.cells.is_file():
+        ap.error(f"--cells {args.cells}: no such file")
     if args.min_steps < 1:
         ap.error("--min-steps must be >= 1")
     logs: dict[str, Path] = {}
@@ -348,6 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     ref = args.speed_reference if args.speed_reference in read else next(iter(read))
     speed = speed_rows(read, ref)
     print_speed(speed)
+    paired = []
+    if args.cells is not None:
+        from dspark_sglang.bench import paired_speed  # it builds on this module
+
+        try:
+            paired = paired_speed.paired_rows(read, paired_speed.read_cells(args.cells), ref)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        paired_speed.print_paired(paired)
     plain = [_plain(r) for r in rows]
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
@@ -363,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": cmd,
             "rows": plain,
             "speed": [_plain(r) for r in speed],
+            "speed_paired": [_plain(r) for r in paired],
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -819,7 +819,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step_logs and args.step_logs.is_dir():
         print(f"\ndecode steps by batch size (bench.steps on {args.step_logs}):")
         out = args.out_dir / f"{args.name}_steps"
-        return steps.main([str(args.step_logs), "--csv", f"{out}.csv", "--json", f"{out}.json"])
+        files = ["--csv", f"{out}.csv", "--json", f"{out}.json", "--cells", str(jsonl)]
+        return steps.main([str(args.step_logs), *files])
     return 0
 
 
