@@ -64,6 +64,10 @@ def read_cells(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _stamped(s: _Step) -> bool:
+    return s.started_at is not None and math.isfinite(s.started_at)
+
+
 def _window(steps: list[_Step], times: list[float], cell: dict[str, Any]) -> list[_Step]:
     lo = bisect.bisect_left(times, float(cell["cell_start"]))
     hi = bisect.bisect_right(times, float(cell["cell_end"]))
@@ -86,7 +90,7 @@ def paired_rows(
     """Each other policy's time at identical shapes over `reference`'s, cell pair by cell pair,
     per R bin and over every R (0, 0)."""
     stamped = {
-        p: sorted((s for s in steps if s.started_at is not None), key=lambda s: s.started_at)
+        p: sorted((s for s in steps if _stamped(s)), key=lambda s: s.started_at)
         for p, steps in logs.items()
     }
     times = {p: [s.started_at for s in steps] for p, steps in stamped.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -87,10 +88,13 @@ def test_a_slow_spell_in_one_cell_widens_the_interval_instead_of_hiding(tmp_path
     assert r.forward_lo < 1.05 and r.forward_hi > 1.575
 
 
-def test_a_cell_without_its_partner_or_with_too_few_steps_counts_no_pair(tmp_path: Path) -> None:
+def test_a_cell_without_its_partner_or_too_few_steps_counts_no_pair_nor_unstamped_steps(
+    tmp_path: Path,
+) -> None:
     cells, logs = _cells_and_logs(slow_pass=-1, spell=1.0)
     cells = [c for c in cells if not (c["policy"] == "verify-all" and c["pass"] == 1)]
     logs["lagged"] += _cell_steps(500.0, 0.009, 0.004, n=paired_speed.MIN_CELL_STEPS - 1)
+    logs["lagged"].insert(0, dataclasses.replace(logs["lagged"][0], started_at=math.nan))
     cells.append({"policy": "lagged", "concurrency": 2, "pass": 2,
                   "cell_start": 500.0, "cell_end": 501.0})  # fmt: skip
     cells.append({"policy": "verify-all", "concurrency": 2, "pass": 2,
