@@ -20,6 +20,7 @@ from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
     LagShrink,
+    SurvivalCalibration,
     SurvivalCorrection,
     SurvivalHistory,
     stratified_rows,
@@ -289,6 +290,7 @@ class VerifyPlanner:
         # live recalibration of the confidences (capacity-driven modes only)
         self.correction = ConfidenceCorrection.identity(gamma)
         self.surv_correction = SurvivalCorrection.identity(gamma)
+        self.calibration = SurvivalCalibration.identity()
         self._corrects = mode.name in ("sync", "lagged")
         # this step's drafts for observe_acceptance: (request ids, raw confidences, their
         # first-stage survival, the ConfidenceCorrection that survival was taken under)
@@ -487,7 +489,7 @@ class VerifyPlanner:
             if self._corrects:
                 first = survival(self.correction.apply(raw))
                 self._drafted = (list(ids), raw, first, self.correction)
-                surv = self.surv_correction.apply(first)
+                surv = self.calibration.apply(self.surv_correction.apply(first))
             else:
                 surv = survival(raw)
         else:
@@ -615,6 +617,10 @@ class VerifyPlanner:
             "prior_trials": list(self.prior.trials),
             "confidence_ratios": self.correction.ratios.tolist(),
             "survival_ratios": self.surv_correction.ratios.tolist(),
+            "calibration": {
+                "knots": list(self.calibration.knots),
+                "values": list(self.calibration.values),
+            },
             "resume_ratio": self.resume_ratio,
             "resumes": self._resumes,
             "probe_every": self._probe_every,
@@ -629,11 +635,12 @@ class VerifyPlanner:
         }
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
-        """Survival rows from raw confidences, under both live corrections (capacity-driven
-        modes; the others read the head as it is)."""
+        """Survival rows from raw confidences, under the live corrections and calibration
+        (capacity-driven modes; the others read the head as it is)."""
         if not self._corrects:
             return survival(raw)
-        return self.surv_correction.apply(survival(self.correction.apply(raw)))
+        second = self.surv_correction.apply(survival(self.correction.apply(raw)))
+        return self.calibration.apply(second)
 
     def _evidence(self) -> float:
         """Drafts verified at position 1 so far (probes and drafting steps alike)."""
@@ -887,6 +894,7 @@ class VerifyPlanner:
             conf, first, lens, acc = conf[sel], first[sel], verify_lens[rows], accepted[rows]
         if corr is not self.correction:  # what the second stage is fed under today's first
             first = survival(self.correction.apply(conf))
+        self.calibration = self.calibration.observe(self.surv_correction.apply(first), lens, acc)
         self.surv_correction = self.surv_correction.observe(first, lens, acc)
         self.correction = self.correction.observe(conf, lens, acc)
 
