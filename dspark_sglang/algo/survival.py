@@ -347,11 +347,16 @@ class SurvivalCalibration:
 
     Bins of a (CALIB_EDGES) keep decayed sums of the predictions, the hits (a row that accepted
     k drafts or more) and the trials (rows verified to k or beyond), decayed by (1 − α) per
-    trial in the bin; each bin starts with `weight` pseudo-trials at its midpoint that realise it
-    (the identity). f interpolates the bins' mean prediction -> realised rate after a weighted
+    trial in the bin. Each bin also holds `weight` pseudo-trials at its midpoint that realise
+    the midpoint plus the lift (realised rate over midpoint, when above it) of the bin above it:
+    a bin without evidence takes its upper neighbour's lift. K drops the drafts predicted
+    lowest, so the lowest bins are the ones it never verifies; held at the head's word they
+    would stay unverified and unlearned for good. Lifted as the bins above were, they are
+    verified and learned where that pays; a head that proves calibrated lifts nothing. Lifts,
+    not rates: a bin of drafts predicted 0.02 below one of 0.9 that realised 0.95 reads 0.07,
+    not 0.95. f interpolates the bins' mean prediction -> realised rate after a weighted
     isotonic fit, through (0, 0) and (1, 1). Which drafts are verified depends on predictions
-    only, never on outcomes, so each bin's rate is unbiased; a bin K never verifies keeps the
-    identity, held below its neighbours' rates by the isotonic fit."""
+    only, never on outcomes, so each bin's own rate is unbiased. Starts as the identity map."""
 
     pred: tuple[float, ...]
     obs: tuple[float, ...]
@@ -363,11 +368,15 @@ class SurvivalCalibration:
 
     def __post_init__(self) -> None:
         w = self.weight
-        xs, ys, ws = [], [], []
-        for m, p, o, n in zip(_CALIB_MIDS, self.pred, self.obs, self.num, strict=True):
-            xs.append((p + w * m) / (n + w))
-            ys.append((o + w * m) / (n + w))
-            ws.append(n + w)
+        nb = len(_CALIB_MIDS)
+        xs, ys, ws = [0.0] * nb, [0.0] * nb, [0.0] * nb
+        lift = 0.0
+        for b in reversed(range(nb)):  # top down: a bin's prior carries the lift above it
+            m, n = _CALIB_MIDS[b], self.num[b]
+            xs[b] = (self.pred[b] + w * m) / (n + w)
+            ys[b] = (self.obs[b] + w * min(m + lift, 1.0)) / (n + w)
+            lift = max(ys[b] - m, 0.0)
+            ws[b] = n + w
         fit = isotonic(np.asarray(ys), np.asarray(ws)).tolist()
         object.__setattr__(self, "knots", (0.0, *xs, 1.0))
         object.__setattr__(self, "values", (0.0, *(min(v, 1.0) for v in fit), 1.0))
