@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_sglang.algo.survival import (
+    CALIB_EDGES,
     AcceptancePrior,
     ConfidenceCorrection,
+    SurvivalCalibration,
     SurvivalCorrection,
     SurvivalHistory,
     mask_survival,
@@ -269,6 +271,69 @@ def test_survival_correction_counts_only_the_positions_a_row_verified() -> None:
     one = sc.observe(surv, np.array([1]), np.array([1]))
     assert one.pred == (0.5, 0.0, 0.0) and one.obs == (1.0, 0.0, 0.0)
     np.testing.assert_allclose(one.ratios[1:], 1.0)  # untried positions stay at σ = 1
+
+
+def test_survival_calibration_starts_as_the_identity() -> None:
+    cal = SurvivalCalibration.identity()
+    a = np.linspace(0.0, 1.0, 101)[None, :]
+    np.testing.assert_allclose(cal.apply(a), a, atol=1e-12)
+
+
+def _flat_head(
+    cal: SurvivalCalibration, rng: np.random.Generator, lowest: float, steps: int
+) -> SurvivalCalibration:
+    """Drafts predicted below 0.3 realise 0.12 whatever their prediction, above it their
+    prediction (the served head of the class docstring); only those predicted >= `lowest`
+    are verified, as a K that drops the lowest drafts does."""
+    for _ in range(steps):
+        a = rng.uniform(0.005, 1.0, size=(16, 1))
+        a = a[a[:, 0] >= lowest]
+        p = np.where(a[:, 0] < 0.3, 0.12, a[:, 0])
+        cal = cal.observe(a, np.ones(len(a), np.int64), (rng.random(len(a)) < p).astype(np.int64))
+    return cal
+
+
+def test_survival_calibration_learns_a_head_that_tells_low_drafts_apart_too_little() -> None:
+    cal = _flat_head(SurvivalCalibration.identity(), np.random.default_rng(3), 0.0, 600)
+    f = cal.apply(np.array([[0.03, 0.07, 0.15, 0.25, 0.5, 0.8]]))[0]
+    np.testing.assert_allclose(f[:4], 0.12, atol=0.035)  # the head said 0.03-0.25
+    np.testing.assert_allclose(f[4:], [0.5, 0.8], atol=0.06)
+    assert np.all(np.diff(cal.values) >= 0) and cal.values[0] == 0.0 and cal.values[-1] == 1.0
+    # survival rows stay non-increasing along their positions and within [0, 1]
+    rows = np.sort(np.random.default_rng(4).random((50, 7)), axis=1)[:, ::-1]
+    out = cal.apply(rows)
+    assert np.all(np.diff(out, axis=1) <= 1e-12) and out.min() >= 0.0 and out.max() <= 1.0
+
+
+def test_survival_calibration_lifts_bins_without_evidence_as_the_bins_above_them() -> None:
+    """Only drafts predicted >= 0.05 verified: the bins below have no trials and read the lift
+    of the lowest bin that has them, so K tries them; with no lift above, they keep the head's
+    word. A calibrated head lifts nothing anywhere."""
+    rng = np.random.default_rng(5)
+    cal = _flat_head(SurvivalCalibration.identity(), rng, 0.05, 600)
+    assert cal.num[0] == cal.num[1] == 0.0 and cal.num[2] > 0.0
+    lifted = cal.apply(np.array([[0.01, 0.03]]))[0]
+    lift = cal.apply(np.array([[0.07]]))[0, 0] - 0.07
+    assert lift > 0.02 and np.all(lifted >= [0.01, 0.03] + 0.5 * lift)
+    fair = SurvivalCalibration.identity()
+    for _ in range(600):
+        a = rng.uniform(0.05, 1.0, size=(16, 1))
+        hits = (rng.random(16) < a[:, 0]).astype(np.int64)
+        fair = fair.observe(a, np.ones(16, np.int64), hits)
+    # no lift: at most the head's word plus noise (the isotonic fit may pool a sparse bin down)
+    assert np.all(fair.apply(np.array([[0.01, 0.03]]))[0] <= [0.01 + 0.02, 0.03 + 0.02])
+
+
+def test_survival_calibration_counts_only_the_positions_a_row_verified() -> None:
+    cal = SurvivalCalibration.identity()
+    surv = np.array([[0.55, 0.25, 0.11]])
+    assert cal.observe(surv, np.array([0]), np.array([0])) is cal  # nothing verified
+    one = cal.observe(surv, np.array([2]), np.array([1]))  # 0.55 accepted, 0.25 rejected
+    bin_of = {x: int(np.searchsorted(CALIB_EDGES, x, side="right")) - 1 for x in (0.55, 0.25)}
+    assert sum(one.num) == 2.0 and sum(one.obs) == 1.0
+    assert one.num[bin_of[0.55]] == one.obs[bin_of[0.55]] == 1.0
+    assert one.num[bin_of[0.25]] == 1.0 and one.obs[bin_of[0.25]] == 0.0
+    assert one.pred[bin_of[0.25]] == pytest.approx(0.25)
 
 
 def test_repeat_pushes_the_newest_snapshot_again_without_copying() -> None:

@@ -762,3 +762,50 @@ def test_observe_feeds_lag_shrink_the_row_this_steps_k_was_planned_from() -> Non
     fit = p.lag_fit
     assert fit.n == pytest.approx(1.0)
     assert fit.sx == pytest.approx(0.9 + 0.8 - 0.75) and fit.sy == pytest.approx(2 - 0.75)
+
+
+def test_lagged_k_reads_the_calibrated_survival_and_observe_teaches_the_calibration() -> None:
+    """plan() pushes survival after all three stages to the history K reads: a calibration that
+    learned the head's 0.03 tail drafts realise 0.2 makes K verify them; with the identity K
+    drops them. observe() folds every verified position into the calibration, and state()
+    reports its map."""
+    import json
+
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.survival import CALIB_EDGES, SurvivalCalibration
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    # 10 ms plus 0.16 ms a token: a draft pays from a survival of about 0.1
+    buckets = tuple(range(1, 17))
+    cap = CapacityModel(TableModel(buckets, tuple(0.01 + 1.6e-4 * (b - 1) for b in buckets)))
+    mode = parse_schedule_mode("lagged")
+    conf = np.array([[0.95, 0.95, 0.95, 0.95], [0.6, 0.05, 0.9, 0.9]])
+    logits = np.log(conf / (1.0 - conf))
+    ids, max_len = [7, 8], np.array([4, 4])
+    learned = SurvivalCalibration.identity()
+    b = int(np.searchsorted(CALIB_EDGES, 0.03, side="right")) - 1  # the tail's bin
+    num = [0.0] * len(learned.num)
+    obs, pred = list(num), list(num)
+    num[b], obs[b], pred[b] = 500.0, 100.0, 15.0
+    learned = SurvivalCalibration(tuple(pred), tuple(obs), tuple(num))
+    assert learned.apply(np.array([[0.03]]))[0, 0] > 0.15
+    ks = []
+    for cal in (SurvivalCalibration.identity(), learned):
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False)
+        p.calibration = cal
+        for _ in range(mode.lag):
+            p.plan(ids, logits, max_len, 10, 8)
+        ks.append(p.budget(ids, max_len, 10))
+        newest = p.history.snapshots[-1][1]
+        np.testing.assert_allclose(newest, cal.apply(p.surv_correction.apply(survival(conf))))
+    assert ks[0] == 5 and ks[1] == 8
+    before = sum(p.calibration.num)
+    rec = StepRecord(0, 2, 10, 0, 2, 10, 0.012, draft_seconds=0.002, num_draft_reqs=2)
+    p.observe(np.array([4, 4]), np.array([4, 1]), rec, ids)
+    # eight positions verified; three of them in the tail's bin, which decays its 500 by them
+    assert sum(p.calibration.num) == pytest.approx(before + 8.0 - 500.0 * (1.0 - 0.998**3))
+    state = json.loads(json.dumps(p.state(), allow_nan=False))
+    assert state["calibration"]["knots"] == list(p.calibration.knots)
+    assert state["calibration"]["values"] == list(p.calibration.values)
