@@ -329,7 +329,6 @@ class SurvivalCorrection:
 CALIB_EDGES = (
     0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0
 )  # fmt: skip
-CALIB_ALPHA = 1.0 / 4000.0  # decay per verified draft in any bin: a memory of ~4,000 drafts
 _CALIB_MIDS = tuple((lo + hi) / 2.0 for lo, hi in itertools.pairwise(CALIB_EDGES))
 
 
@@ -347,19 +346,10 @@ class SurvivalCalibration:
     3.4 % fewer tokens and no shorter step.
 
     Bins of a (CALIB_EDGES) keep decayed sums of the predictions, the hits (a row that accepted
-    k drafts or more) and the trials (rows verified to k or beyond), every bin decayed by
-    (1 − α) per trial in any bin (α = 1 / 4,000 trials). Per trial in the bin itself, a bin that
-    K stopped verifying kept its evidence for good, and the traffic it was learned on outlived
-    it: served (sweep s42_cal), the 16 easy prompts of the c <= 8 cells realised 0.10-0.17 at
-    predicted 0.01-0.1, the 64 prompts of the c = 32 cell 0.03-0.09 (in-process, every draft
-    verified); the deployment went into c = 32 valuing its tail drafts 2-3x, which K at c = 32
-    no longer verified to learn otherwise, and drafted where plain steps were 6-10 % faster
-    (lagged / no-spec 0.924 and 0.936 in two sweeps). Decayed with the trials anywhere, an
-    unvisited bin returns to its prior as the bins K does verify learn today's traffic.
-
-    Each bin also holds `weight` pseudo-trials at its midpoint that realise the midpoint plus
-    the lift (realised rate over midpoint, when above it) of the bin above it: a bin without
-    evidence takes its upper neighbour's lift. K drops the drafts predicted
+    k drafts or more) and the trials (rows verified to k or beyond), decayed by (1 − α) per
+    trial in the bin. Each bin also holds `weight` pseudo-trials at its midpoint that realise
+    the midpoint plus the lift (realised rate over midpoint, when above it) of the bin above it:
+    a bin without evidence takes its upper neighbour's lift. K drops the drafts predicted
     lowest, so the lowest bins are the ones it never verifies; held at the head's word they
     would stay unverified and unlearned for good. Lifted as the bins above were, they are
     verified and learned where that pays; a head that proves calibrated lifts nothing. Lifts,
@@ -371,7 +361,7 @@ class SurvivalCalibration:
     pred: tuple[float, ...]
     obs: tuple[float, ...]
     num: tuple[float, ...]
-    alpha: float = CALIB_ALPHA
+    alpha: float = 0.002
     weight: float = 8.0
     knots: tuple[float, ...] = field(init=False, repr=False, compare=False)
     values: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -392,7 +382,7 @@ class SurvivalCalibration:
         object.__setattr__(self, "values", (0.0, *(min(v, 1.0) for v in fit), 1.0))
 
     @classmethod
-    def identity(cls, alpha: float = CALIB_ALPHA) -> SurvivalCalibration:
+    def identity(cls, alpha: float = 0.002) -> SurvivalCalibration:
         zeros = (0.0,) * (len(CALIB_EDGES) - 1)
         return cls(zeros, zeros, zeros, alpha)
 
@@ -414,7 +404,7 @@ class SurvivalCalibration:
         nb = len(CALIB_EDGES) - 1
         b = np.clip(np.searchsorted(CALIB_EDGES, a[trial], side="right") - 1, 0, nb - 1)
         n = np.bincount(b, minlength=nb)
-        keep = (1.0 - self.alpha) ** int(n.sum())  # every bin: see the class docstring
+        keep = (1.0 - self.alpha) ** n
         pred = np.asarray(self.pred) * keep + np.bincount(b, a[trial], nb)
         obs = np.asarray(self.obs) * keep + np.bincount(b, (acc >= k)[trial], nb)
         num = np.asarray(self.num) * keep + n

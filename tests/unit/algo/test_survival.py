@@ -324,23 +324,6 @@ def test_survival_calibration_lifts_bins_without_evidence_as_the_bins_above_them
     assert np.all(fair.apply(np.array([[0.01, 0.03]]))[0] <= [0.01 + 0.02, 0.03 + 0.02])
 
 
-def test_a_calibration_bin_no_longer_verified_forgets_as_the_others_learn() -> None:
-    """Learned on easy traffic (drafts predicted 0.03 realise 0.15), then only drafts predicted
-    >= 0.3 verified, realising their prediction (a K cutting higher at a new load): the 0.03
-    bin, no longer tried, returns to its prior as trials elsewhere decay it (a memory of
-    CALIB_ALPHA's 4,000 drafts), where decayed only by its own trials it would keep 0.15."""
-    rng = np.random.default_rng(7)
-    ones = np.ones(16, np.int64)
-    cal = SurvivalCalibration.identity()
-    for _ in range(300):
-        cal = cal.observe(np.full((16, 1), 0.03), ones, (rng.random(16) < 0.15).astype(np.int64))
-    assert cal.apply(np.array([[0.03]]))[0, 0] > 0.12
-    for _ in range(3000):  # 48,000 drafts: twelve memories
-        a = rng.uniform(0.3, 1.0, size=(16, 1))
-        cal = cal.observe(a, ones, (rng.random(16) < a[:, 0]).astype(np.int64))
-    assert cal.apply(np.array([[0.03]]))[0, 0] < 0.05
-
-
 def test_survival_calibration_counts_only_the_positions_a_row_verified() -> None:
     cal = SurvivalCalibration.identity()
     surv = np.array([[0.55, 0.25, 0.11]])

@@ -804,9 +804,8 @@ def test_lagged_k_reads_the_calibrated_survival_and_observe_teaches_the_calibrat
     before = sum(p.calibration.num)
     rec = StepRecord(0, 2, 10, 0, 2, 10, 0.012, draft_seconds=0.002, num_draft_reqs=2)
     p.observe(np.array([4, 4]), np.array([4, 1]), rec, ids)
-    # eight positions verified: every bin decays by eight trials, then gains its own
-    keep = (1.0 - p.calibration.alpha) ** 8
-    assert sum(p.calibration.num) == pytest.approx(before * keep + 8.0)
+    # eight positions verified; three of them in the tail's bin, which decays its 500 by them
+    assert sum(p.calibration.num) == pytest.approx(before + 8.0 - 500.0 * (1.0 - 0.998**3))
     state = json.loads(json.dumps(p.state(), allow_nan=False))
     assert state["calibration"]["knots"] == list(p.calibration.knots)
     assert state["calibration"]["values"] == list(p.calibration.values)
