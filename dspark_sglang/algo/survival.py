@@ -338,8 +338,8 @@ class SurvivalCalibration:
     survival rows predicted a realise, a' = f(a), learned over every verified draft.
 
     The corrections fix each position's average; they cannot fix a head that tells drafts apart
-    less than it claims. Served greedy code prompts on the CPU engine (every draft verified,
-    2026-12-05, c = 2 and 8): drafts predicted 0.01-0.25 after both corrections realised
+    less than it claims. Greedy code prompts on the in-process CPU engine (every draft
+    verified, 2026-12-05, c = 2 and 8): drafts predicted 0.01-0.25 after both corrections realised
     0.07-0.19 whatever their prediction, while each position's mean was right within 0.02. The
     lagged K drops the drafts predicted lowest: it priced them at a few hundredths where they
     paid about 0.12 each, and verified two drafts a step fewer than every draft at R = 2 for
@@ -356,7 +356,8 @@ class SurvivalCalibration:
     not rates: a bin of drafts predicted 0.02 below one of 0.9 that realised 0.95 reads 0.07,
     not 0.95. f interpolates the bins' mean prediction -> realised rate after a weighted
     isotonic fit, through (0, 0) and (1, 1). Which drafts are verified depends on predictions
-    only, never on outcomes, so each bin's own rate is unbiased. Starts as the identity map."""
+    only, never on outcomes, so each bin's own rate is unbiased. Starts as the identity map.
+    What it cost at c = 32-64, served: docs/scheduler.md ("Live survival calibration")."""
 
     pred: tuple[float, ...]
     obs: tuple[float, ...]
