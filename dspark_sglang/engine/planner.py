@@ -489,7 +489,7 @@ class VerifyPlanner:
             if self._corrects:
                 first = survival(self.correction.apply(raw))
                 self._drafted = (list(ids), raw, first, self.correction)
-                surv = self.calibration.apply(self.surv_correction.apply(first))
+                surv = self._past_first(first)
             else:
                 surv = survival(raw)
         else:
@@ -639,8 +639,11 @@ class VerifyPlanner:
         (capacity-driven modes; the others read the head as it is)."""
         if not self._corrects:
             return survival(raw)
-        second = self.surv_correction.apply(survival(self.correction.apply(raw)))
-        return self.calibration.apply(second)
+        return self._past_first(survival(self.correction.apply(raw)))
+
+    def _past_first(self, first: np.ndarray) -> np.ndarray:
+        """The first stage's survival through the second (per-position) and the calibration."""
+        return self.calibration.apply(self.surv_correction.apply(first))
 
     def _evidence(self) -> float:
         """Drafts verified at position 1 so far (probes and drafting steps alike)."""
