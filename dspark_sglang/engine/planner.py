@@ -16,6 +16,7 @@ import numpy as np
 
 from dspark_sglang.algo.capacity import CapacityModel
 from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator, r_bin
+from dspark_sglang.algo.step_bias import StepKindBias
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
@@ -177,6 +178,24 @@ def _charged_sps(sps: np.ndarray, r: int, skip_s: float) -> np.ndarray:
     return out
 
 
+def _biased(
+    sps: np.ndarray, draft: np.ndarray | None, r: int, bias: float
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The SPS table and the row-priced drafter with every drafting plan's seconds times
+    exp(bias) (StepKindBias): the whole-batch table's B > R, or with a row-priced drafter the
+    forward's B > R and the drafter of n >= 1 rows; the plain step B = R (and draft[0], the
+    resume charge) as they were."""
+    if not bias or sps.size <= r + 1:
+        return sps, draft
+    f = math.exp(bias)
+    out = np.array(sps, np.float64, copy=True)
+    out[r + 1 :] /= f
+    if draft is not None:
+        draft = np.array(draft, np.float64, copy=True)
+        draft[1:] *= f
+    return out, draft
+
+
 def _center(prior: AcceptancePrior, pool: np.ndarray | None) -> np.ndarray:
     """The average survival row LagShrink measures departures from: the pool's (rows drafted
     without selection, on the lagged rows' own scale) once it holds POOL_MIN, else the prior's."""
@@ -292,6 +311,9 @@ class VerifyPlanner:
         self.surv_correction = SurvivalCorrection.identity(gamma)
         self.calibration = SurvivalCalibration.identity()
         self._corrects = mode.name in ("sync", "lagged")
+        # lagged: the capacity model's error on drafting steps over plain ones (algo/step_bias.py)
+        self.step_bias = StepKindBias()
+        self._biased = lagged and capacity is not None
         # this step's drafts for observe_acceptance: (request ids, raw confidences, their
         # first-stage survival, the ConfidenceCorrection that survival was taken under)
         self._drafted: tuple[list[int], np.ndarray, np.ndarray, ConfidenceCorrection] | None = None
@@ -632,6 +654,7 @@ class VerifyPlanner:
             "lag_shrink_applied": self._shrinks,
             "replan_every": self.replan_every,
             "pinned_steps": self.pinned_steps,
+            "step_bias": self.step_bias.state(),
         }
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
@@ -677,6 +700,7 @@ class VerifyPlanner:
             self._explore(ids.size),
             self._skip_charge(ids.size),
             self._rho(),
+            self._bias(ids.size),
         )
 
     def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
@@ -719,6 +743,7 @@ class VerifyPlanner:
         explore: bool = False,
         skip_charge: float = 0.0,
         rho: float = 1.0,
+        bias: float = 0.0,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
@@ -727,7 +752,9 @@ class VerifyPlanner:
         `explore`: the drafter's price at this R is untested, and the whole batch is drafted
         while priced within EXPLORE_RATIO of the best plan. `skip_charge`: seconds a K = 0 step is
         charged for the resume it causes (`_skip_charge`). `rho`: how much of a lagged row's
-        departure from the average row to believe (LagShrink)."""
+        departure from the average row to believe (LagShrink). `bias`: the log factor on a
+        drafting plan's seconds (StepKindBias)."""
+        sps, draft = _biased(sps, draft, ids.size, bias)
         lagged, hit = _shrunk_lagged(history, ids, self.mode.lag, prior, pool, rho)
         tps = self.min_user_tps
         absent = ~hit
@@ -807,6 +834,12 @@ class VerifyPlanner:
             elif self._steady_run and not (rec.draft_resumed or rec.probe) and rec.num_draft_reqs:
                 self._learn_steady(rec.num_draft_reqs, rec.draft_seconds)
         steady, self._resume_rows, self._steady_run = self._steady_run, 0, False
+        if self._biased and not rec.num_prefill_tokens:
+            drafted = rec.draft_seconds > 0.0
+            if not drafted or (steady and not (rec.probe or rec.draft_resumed)):
+                self.step_bias.observe(
+                    rec.num_reqs, drafted, rec.step_seconds, rec.predicted_seconds
+                )
         if self.estimator is None:
             return
         self._queued.append(rec)
@@ -839,6 +872,10 @@ class VerifyPlanner:
             return
         excess = min(max(seconds / steady - 1.0, 0.0), RESUME_MAX)
         self.resume_ratio, self._resumes = _fold(self.resume_ratio, self._resumes, excess)
+
+    def _bias(self, r: int) -> float:
+        """StepKindBias's log factor at R, in steps of 1/128 (a K memo survives small moves)."""
+        return round(self.step_bias.log_factor(r) * 128.0) / 128.0 if self._biased else 0.0
 
     def _skip_charge(self, r: int) -> float:
         """Seconds a K search for R requests charges K = 0 in a drafting run: the resume it

@@ -539,6 +539,7 @@ ALLOWED_IMPORTS = {
     "collections.abc",
     "dataclasses",
     "itertools",
+    "math",
     "numpy",
     "dspark_sglang.algo.monotone",  # pure numpy too (listed below)
     "dspark_sglang.config",
@@ -546,7 +547,9 @@ ALLOWED_IMPORTS = {
 }
 
 
-@pytest.mark.parametrize("module", ["monotone.py", "survival.py", "verify_budget.py"])
+@pytest.mark.parametrize(
+    "module", ["monotone.py", "step_bias.py", "survival.py", "verify_budget.py"]
+)
 def test_algorithms_import_only_numpy_stdlib_config_types(module: str) -> None:
     path = Path(vb.__file__).with_name(module)
     names = set()

@@ -809,3 +809,83 @@ def test_lagged_k_reads_the_calibrated_survival_and_observe_teaches_the_calibrat
     state = json.loads(json.dumps(p.state(), allow_nan=False))
     assert state["calibration"]["knots"] == list(p.calibration.knots)
     assert state["calibration"]["values"] == list(p.calibration.values)
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
+    selective: bool,
+) -> None:
+    """StepKindBias: where drafting steps at this R ran over their predicted seconds by more than
+    plain steps did, a drafter priced a little under break-even no longer drafts; where they ran
+    under, one priced a little over does. A bias learned at another R bin changes nothing."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    table = TableModel((1, 64), (0.01, 0.02))
+    ids, max_len, logits = [7], np.array([4]), np.full((1, 4), 4.0)
+    mode = parse_schedule_mode("lagged")
+    probe = VerifyPlanner(mode, 4, CapacityModel(table), None, False, 0.0, False)
+    probe.plan(ids, logits, max_len, 10, 0)
+    tau = 1.0 + float(probe.history.lagged(np.array(ids), 1, probe.prior).sum())
+    even = tau / 100.0 - 0.02  # the drafter price at which K = 4 ties K = 0
+
+    def k_of(draft_s: float, draft_ratio: float, at_r: int = 1) -> int:
+        cap = CapacityModel(table, draft=Curve((1.0, 64.0), (draft_s, draft_s)))
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, selective)
+        p.plan(ids, logits, max_len, 10, 0)
+        p.plan(ids, logits, max_len, 10, 0)
+        for _ in range(200):
+            p.step_bias.observe(at_r, True, draft_ratio * 0.03, 0.03)
+            p.step_bias.observe(at_r, False, 0.01, 0.01)
+        return p.budget(ids, max_len, 10)
+
+    cheap, dear = 0.95 * even, 1.05 * even
+    assert k_of(cheap, 1.0) == 4 and k_of(dear, 1.0) == 0  # no bias: the price decides
+    assert k_of(cheap, 1.2) == 0  # drafting steps ran 20 % over, plain ones on time
+    assert k_of(dear, 0.8) == 4
+    assert k_of(cheap, 1.2, at_r=32) == 4
+
+
+def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() -> None:
+    """Steady drafting steps and plain steps teach StepKindBias their measured / predicted
+    seconds; probes, a resumed drafter, and steps with prefill tokens do not."""
+    import math
+
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)), draft=Curve((1.0, 64.0), (0.004, 0.1)))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True)
+    ids, logits, max_len = [7], np.zeros((1, 4)), np.array([4])
+
+    def rec(seconds: float, predicted: float, **kw: object) -> StepRecord:
+        return StepRecord(0, 1, 4, 0, 1, 10, seconds, predicted_seconds=predicted, **kw)
+
+    def counts() -> tuple[float, float]:
+        row = p.step_bias.bins.get(0, [0.0, 0.0, 0.0, 0.0])
+        return row[1], row[3]
+
+    p.skip(ids, max_len, 10)
+    p.observe(np.zeros(1, np.int64), np.zeros(1, np.int64), rec(0.011, 0.01), ids)
+    assert counts() == (0.0, 1.0)  # a plain step
+    drafted = {"draft_seconds": 0.004, "num_draft_reqs": 1}
+    p.plan(ids, logits, max_len, 10, 3)  # resumed after the plain step
+    p.observe(np.array([3]), np.array([1]), rec(0.03, 0.02, draft_resumed=True, **drafted), ids)
+    assert counts() == (0.0, 1.0)
+    p.plan(ids, logits, max_len, 10, 3)  # steady
+    p.observe(np.array([3]), np.array([1]), rec(0.03, 0.02, **drafted), ids)
+    assert counts() == (1.0, 1.0)
+    p.plan(ids, logits, max_len, 10, 3, backlog=True)  # projected a prompt's rows
+    p.observe(np.array([3]), np.array([1]), rec(0.03, 0.02, **drafted), ids)
+    p.plan(ids, logits, max_len, 10, 0)  # a probe
+    p.observe(np.array([4]), np.array([1]), rec(0.03, 0.02, probe=True, **drafted), ids)
+    p.skip(ids, max_len, 10)
+    prefill = StepRecord(0, 1, 40, 36, 1, 10, 0.05, predicted_seconds=0.01)
+    p.observe(np.zeros(1, np.int64), np.zeros(1, np.int64), prefill, ids)
+    assert counts() == (1.0, 1.0)
+    assert p.step_bias.bins[0][0] == pytest.approx(math.log(1.5))
+    assert p.step_bias.bins[0][2] == pytest.approx(math.log(1.1))
+    assert p.state()["step_bias"]["1"]["draft_steps"] == 1.0
