@@ -255,6 +255,9 @@ class DraftConfig:
     # drafts and reported in the planner's state). Off: A/B runs on the CPU engine measured no
     # difference (docs/scheduler.md "How much of a lagged row holds up").
     lag_shrink: bool = False
+    # lagged mode: the K search multiplies a drafting plan's seconds by how far drafting steps at
+    # that R ran over their predicted seconds, less how far plain steps did (algo.step_bias)
+    step_bias: bool = True
     # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
     # for the same batch, drafting every row, search again only every this many steps; the steps
     # between take that K, and only the one whose survival the next search reads learns

@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         "far such departures held up lag steps later, learned live (default: face value)",
     )
     a(
+        "--disable-step-bias",
+        dest="step_bias",
+        action="store_false",
+        help="lagged mode: price drafting and plain steps by the capacity model alone, without "
+        "the live correction of its error on drafting steps over plain ones (default: on)",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -267,6 +274,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,
             lag_shrink=args.lag_shrink,
+            step_bias=args.step_bias,
             replan_every=args.replan_every,
             draft_dtype=args.draft_dtype,
         ),

@@ -231,6 +231,7 @@ class LLMEngine:
             cfg.explore_ratio,
             cfg.lag_shrink,
             cfg.replan_every,
+            cfg.step_bias,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

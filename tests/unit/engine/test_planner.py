@@ -889,3 +889,20 @@ def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() ->
     assert p.step_bias.bins[0][0] == pytest.approx(math.log(1.5))
     assert p.step_bias.bins[0][2] == pytest.approx(math.log(1.1))
     assert p.state()["step_bias"]["1"]["draft_steps"] == 1.0
+
+
+def test_the_step_bias_can_be_turned_off() -> None:
+    """`--disable-step-bias`: the K search prices by the capacity model alone."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)), draft=Curve((1.0, 64.0), (0.004, 0.1)))
+    mode = parse_schedule_mode("lagged")
+    on = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, True)
+    off = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, True, step_bias=False)
+    for p in (on, off):
+        for _ in range(100):
+            p.step_bias.observe(1, True, 0.03, 0.02)
+            p.step_bias.observe(1, False, 0.01, 0.01)
+    assert on._bias(1) == pytest.approx(0.25, abs=1 / 128) and off._bias(1) == 0.0

@@ -74,6 +74,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert not cfg.draft.lag_shrink  # lagged reads its lagged confidences at face value
     shrunk = build_parser().parse_args(["--model-path", str(model), "--enable-lag-shrink"])
     assert config_from_args(shrunk).draft.lag_shrink
+    assert cfg.draft.step_bias  # lagged corrects the model's drafting-over-plain error
+    plain = build_parser().parse_args(["--model-path", str(model), "--disable-step-bias"])
+    assert not config_from_args(plain).draft.step_bias
     assert cfg.draft.replan_every == 8  # a pinned lagged K is searched again every 8 steps
     every = build_parser().parse_args(["--model-path", str(model), "--lagged-replan-every", "1"])
     assert config_from_args(every).draft.replan_every == 1
