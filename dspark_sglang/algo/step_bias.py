@@ -69,13 +69,19 @@ class StepKindBias:
     def log_factor(self, r: int, kind: int = WHOLE) -> float:
         """log of the factor on the seconds of a drafting plan of `kind` at R: that kind's mean
         residual less the plain steps', shrunk toward 0 by each kind's evidence (BIAS_PRIOR
-        records each): a bin that has seen one kind only has no difference to tell."""
+        records each): a bin that has seen one kind only has no difference to tell. Selective
+        steps are the rarer kind (a few a deployment at high load): their mean is shrunk toward
+        the whole-batch steps' by BIAS_PRIOR records, and both kinds' records count as their
+        evidence."""
         row = self.bins.get(bias_bin(r))
         if row is None:
             return 0.0
-        i = 2 * kind
-        weight = row[i + 1] / (row[i + 1] + BIAS_PRIOR) * row[5] / (row[5] + BIAS_PRIOR)
-        return max(-BIAS_MAX, min(BIAS_MAX, weight * (row[i] - row[4])))
+        mean, n = row[0], row[1]
+        if kind == PARTIAL:
+            mean = (row[2] * row[3] + row[0] * BIAS_PRIOR) / (row[3] + BIAS_PRIOR)
+            n = row[1] + row[3]
+        weight = n / (n + BIAS_PRIOR) * row[5] / (row[5] + BIAS_PRIOR)
+        return max(-BIAS_MAX, min(BIAS_MAX, weight * (mean - row[4])))
 
     def state(self) -> dict[str, dict[str, float]]:
         """Per bin (the smallest R in it): each kind's mean and count, and the two factors."""

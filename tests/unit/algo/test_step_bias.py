@@ -32,7 +32,10 @@ def test_the_factor_is_the_kinds_difference_shrunk_by_each_kinds_evidence() -> N
         b.observe(30, PLAIN, 0.98, 1.0)  # plain steps 2 % under, the same bin
     w = 8 / (8 + BIAS_PRIOR)
     assert b.log_factor(32, WHOLE) == pytest.approx(w * w * (math.log(1.1) - math.log(0.98)))
-    assert b.log_factor(32, PARTIAL) == pytest.approx(w * w * (math.log(1.2) - math.log(0.98)))
+    # the rarer selective kind: its mean shrunk toward the whole-batch one, both kinds' evidence
+    partial = (8 * math.log(1.2) + BIAS_PRIOR * math.log(1.1)) / (8 + BIAS_PRIOR)
+    both = 16 / (16 + BIAS_PRIOR)
+    assert b.log_factor(32, PARTIAL) == pytest.approx(both * w * (partial - math.log(0.98)))
     assert b.log_factor(33) == 0.0 and b.log_factor(16) == 0.0  # other bins know nothing
     for _ in range(2000):
         b.observe(20, WHOLE, 1.1, 1.0)
