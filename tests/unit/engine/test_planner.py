@@ -849,8 +849,9 @@ def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
 
 
 def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() -> None:
-    """Steady drafting steps and plain steps teach StepKindBias their measured / predicted
-    seconds; probes, a resumed drafter, and steps with prefill tokens do not."""
+    """Steady drafting steps (of every row, or of some) and plain steps teach StepKindBias their
+    measured / predicted seconds, each as its kind; probes, a resumed drafter, a prompt backlog
+    and steps with prefill tokens do not."""
     import math
 
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
@@ -890,6 +891,11 @@ def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() ->
     assert p.step_bias.bins[0][0] == pytest.approx(math.log(1.5))
     assert p.step_bias.bins[0][4] == pytest.approx(math.log(1.1))
     assert p.state()["step_bias"]["1"]["whole_steps"] == 1.0
+    p.plan(ids, logits, max_len, 10, 3)
+    p.plan(ids, logits, max_len, 10, 3)  # steady; its record: one of two rows drafted
+    some = StepRecord(0, 2, 5, 0, 2, 20, 0.04, predicted_seconds=0.02, **drafted)
+    p.observe(np.array([3]), np.array([1]), some, ids)
+    assert p.state()["step_bias"]["2"]["partial_steps"] == 1.0
 
 
 def test_the_step_bias_can_be_turned_off() -> None:
