@@ -12,14 +12,7 @@ up to a step-level bias that no single term shows. This module measures it where
 bin, the mean log residual of steady drafting steps and of plain steps, and their difference as
 the factor the K search multiplies a drafting plan's seconds by. A common error (a slower host
 the level has not caught yet) cancels; only the kinds' difference moves K, and it moves only the
-choice between drafting and not (every K > 0 plan of a kind takes the same factor).
-
-Drafting steps come in two kinds with a selective lagged K: those that draft every row and those
-that draft the rows K admits. The latter ran further over their prediction at high load (session
-43, two sweeps' lagged logs, ratio of summed seconds to summed predictions at R 33-64: 1.06-1.11
-against 1.00-1.05 for whole-batch drafting and 0.97-0.98 for plain steps; its rows, not drafted
-for a while, carry their un-projected drafter context into the step), so each kind keeps its own
-mean and factor.
+choice between drafting and not (every K > 0 plan takes the same factor).
 
 Pure Python: no numpy needed for a dozen bins.
 """
@@ -38,8 +31,6 @@ BIAS_PRIOR = 16.0
 BIAS_CLIP = 0.5
 # the factor stays within exp(±BIAS_MAX)
 BIAS_MAX = 0.25
-# kinds of step: a drafter run on every row, on some rows (selective), none
-WHOLE, PARTIAL, PLAIN = 0, 1, 2
 
 
 def bias_bin(r: int) -> int:
@@ -49,54 +40,43 @@ def bias_bin(r: int) -> int:
 
 @dataclass
 class StepKindBias:
-    """Per R bin: [mean log residual, records] of each kind (WHOLE, PARTIAL, PLAIN), flat."""
+    """Per R bin: [mean log residual, records] of drafting steps and of plain steps."""
 
     bins: dict[int, list[float]] = field(default_factory=dict)
 
-    def observe(self, r: int, kind: int, measured: float, predicted: float) -> None:
-        """Fold one step of `kind`: a steady drafting step (not a probe, not a resumed drafter)
-        of every row (WHOLE) or some (PARTIAL), or a plain one (PLAIN); the seconds it took and
-        the seconds it was planned at."""
+    def observe(self, r: int, drafted: bool, measured: float, predicted: float) -> None:
+        """Fold one step: `drafted` = a steady drafting step (not a probe, not a resumed
+        drafter), else a plain one; the seconds it took and the seconds it was planned at."""
         if not (measured > 0.0 and predicted > 0.0) or not math.isfinite(measured / predicted):
             return
         e = max(-BIAS_CLIP, min(BIAS_CLIP, math.log(measured / predicted)))
-        row = self.bins.setdefault(bias_bin(r), [0.0] * 6)
-        i = 2 * kind
+        row = self.bins.setdefault(bias_bin(r), [0.0, 0.0, 0.0, 0.0])
+        i = 0 if drafted else 2
         mean, n = row[i], row[i + 1]
         row[i] = mean + max(BIAS_RATE, 1.0 / (n + 1.0)) * (e - mean)
         row[i + 1] = n + 1.0
 
-    def log_factor(self, r: int, kind: int = WHOLE) -> float:
-        """log of the factor on the seconds of a drafting plan of `kind` at R: that kind's mean
+    def log_factor(self, r: int) -> float:
+        """log of the factor on a drafting plan's seconds at R: the drafting steps' mean
         residual less the plain steps', shrunk toward 0 by each kind's evidence (BIAS_PRIOR
-        records each): a bin that has seen one kind only has no difference to tell. Selective
-        steps are the rarer kind (a few a deployment at high load): their mean is shrunk toward
-        the whole-batch steps' by BIAS_PRIOR records, and both kinds' records count as their
-        evidence."""
+        records each): a bin that has seen one kind only has no difference to tell."""
         row = self.bins.get(bias_bin(r))
         if row is None:
             return 0.0
-        mean, n = row[0], row[1]
-        if kind == PARTIAL:
-            mean = (row[2] * row[3] + row[0] * BIAS_PRIOR) / (row[3] + BIAS_PRIOR)
-            n = row[1] + row[3]
-        weight = n / (n + BIAS_PRIOR) * row[5] / (row[5] + BIAS_PRIOR)
-        return max(-BIAS_MAX, min(BIAS_MAX, weight * (mean - row[4])))
+        weight = row[1] / (row[1] + BIAS_PRIOR) * row[3] / (row[3] + BIAS_PRIOR)
+        return max(-BIAS_MAX, min(BIAS_MAX, weight * (row[0] - row[2])))
 
     def state(self) -> dict[str, dict[str, float]]:
-        """Per bin (the smallest R in it): each kind's mean and count, and the two factors."""
+        """Per bin (the smallest R in it): the two kinds' means and counts, and the factor."""
         out = {}
         for b in sorted(self.bins):
-            w, nw, p, npart, pl, npl = self.bins[b]
+            d, nd, p, np_ = self.bins[b]
             r = 1 if b == 0 else (1 << (b - 1)) + 1
             out[str(r)] = {
-                "whole_log_residual": w,
-                "whole_steps": nw,
-                "partial_log_residual": p,
-                "partial_steps": npart,
-                "plain_log_residual": pl,
-                "plain_steps": npl,
-                "whole_factor": math.exp(self.log_factor(r, WHOLE)),
-                "partial_factor": math.exp(self.log_factor(r, PARTIAL)),
+                "draft_log_residual": d,
+                "draft_steps": nd,
+                "plain_log_residual": p,
+                "plain_steps": np_,
+                "factor": math.exp(self.log_factor(r)),
             }
         return out

@@ -338,21 +338,14 @@ def row_priced_sps(
 
 
 def _row_priced(
-    sps: np.ndarray,
-    num_reqs: int,
-    order: np.ndarray,
-    draft_seconds: np.ndarray,
-    draft_scale: np.ndarray | None = None,
+    sps: np.ndarray, num_reqs: int, order: np.ndarray, draft_seconds: np.ndarray
 ) -> np.ndarray:
-    """row_priced_sps along a path already cut to the table (K = 0 .. order.size), each entry's
-    seconds times draft_scale[rows drafted] when given."""
+    """row_priced_sps along a path already cut to the table (K = 0 .. order.size)."""
     out = np.array(sps[: num_reqs + order.size + 1], np.float64, copy=True)
     # Flat index i = (position - 1)·R + request, and a request's entries come in position order,
     # so its first entry on the path is its position-1 entry.
     rows = np.concatenate([[0], np.cumsum(order < num_reqs)])
     seconds = 1.0 / out[num_reqs:] + np.asarray(draft_seconds, np.float64)[rows]
-    if draft_scale is not None:
-        seconds = seconds * np.asarray(draft_scale, np.float64)[rows]
     out[num_reqs:] = 1.0 / seconds
     return out  # past the path no K is admissible
 
@@ -365,31 +358,25 @@ def selective_k(
     min_len: np.ndarray | int | None = None,
     max_len: np.ndarray | int | None = None,
     min_user_tps: float = 0.0,
-    draft_scale: np.ndarray | None = None,
 ) -> tuple[int, np.ndarray, float]:
     """`lagged_global_k` over `row_priced_sps`, the requests that K drafts (sorted indices: those
     with an entry among the first K path candidates, which is what `assign_top_k` admits under the
     same survival) and the predicted Θ at K (-inf where the table holds no admissible K), from one
     pass over the candidates. The same K as the two calls; the lagged planner runs this every
     drafting step on the host, where each pass is a few dozen small numpy calls, and weighs its Θ
-    against drafting every row. `draft_scale[n]` (n = 0..R), when given, multiplies the seconds
-    of a step that drafts n rows (the planner's live correction of the model by kind of step)."""
+    against drafting every row."""
     num_reqs = lagged_surv.shape[0]
     if sps.size <= num_reqs:  # not even K = 0 fits the table
         k = lagged_global_k(lagged_surv, sps, min_len=min_len, max_len=max_len)
         return k, _admitted_rows(lagged_surv, k, min_len, max_len), -np.inf
     if min_len is None and not min_user_tps:
         path = _small_path(lagged_surv, max_len)
-        got = (
-            None
-            if path is None
-            else _selective_small(num_reqs, path, sps, draft_seconds, draft_scale)
-        )
+        got = None if path is None else _selective_small(num_reqs, path, sps, draft_seconds)
         if got is not None:
             return got
     neg, forced = _candidates(lagged_surv, min_len, max_len)
     order = _path_order(neg, forced)[: sps.size - num_reqs - 1]
-    priced = _row_priced(sps, num_reqs, order, draft_seconds, draft_scale)
+    priced = _row_priced(sps, num_reqs, order, draft_seconds)
     vals = lagged_surv.T.ravel()[order]  # forced first in flat order, then by survival
     theta = _theta(num_reqs, vals, priced)
     n_forced = 0 if forced is None else int(np.count_nonzero(forced))
@@ -404,11 +391,7 @@ def selective_k(
 
 
 def _selective_small(
-    num_reqs: int,
-    path: list[tuple[float, int]],
-    sps: np.ndarray,
-    draft_seconds: np.ndarray,
-    draft_scale: np.ndarray | None = None,
+    num_reqs: int, path: list[tuple[float, int]], sps: np.ndarray, draft_seconds: np.ndarray
 ) -> tuple[int, np.ndarray, float] | None:
     """selective_k over a `_small_path`, with the numpy path's float operations in its order:
     τ = ((R + a1) + a2) + ..., SPS(R + K) = 1 / (1 / sps + drafter seconds of the rows drafted).
@@ -416,20 +399,13 @@ def _selective_small(
     path = path[: sps.size - num_reqs - 1]
     table = sps[num_reqs : num_reqs + len(path) + 1].tolist()
     draft = np.asarray(draft_seconds, np.float64).tolist()
-    scale = None if draft_scale is None else np.asarray(draft_scale, np.float64).tolist()
     tau, drafted = float(num_reqs), 0
-    if scale is None:
-        best = tau * (1.0 / (1.0 / table[0] + draft[0]))
-    else:
-        best = tau * (1.0 / ((1.0 / table[0] + draft[0]) * scale[0]))
+    best = tau * (1.0 / (1.0 / table[0] + draft[0]))
     best_k = 0
     for k, (neg, i) in enumerate(path, 1):
         tau -= neg  # + a, exactly
         drafted += i < num_reqs  # a request's first path entry is its position-1 entry
-        if scale is None:
-            theta = tau * (1.0 / (1.0 / table[k] + draft[drafted]))
-        else:
-            theta = tau * (1.0 / ((1.0 / table[k] + draft[drafted]) * scale[drafted]))
+        theta = tau * (1.0 / (1.0 / table[k] + draft[drafted]))
         if theta != theta:
             return None
         if theta > best:  # ties: the smallest K

@@ -16,7 +16,7 @@ import numpy as np
 
 from dspark_sglang.algo.capacity import CapacityModel
 from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator, r_bin
-from dspark_sglang.algo.step_bias import PARTIAL, PLAIN, WHOLE, StepKindBias
+from dspark_sglang.algo.step_bias import StepKindBias
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
@@ -153,16 +153,13 @@ Rows = np.ndarray | None  # selective lagged: the requests a K drafts (None: not
 KPlan = tuple[int, Rows, float]
 
 
-def _planned(
-    theta: float, sps: np.ndarray, r: int, k: int, draft_s: float, scale: float = 1.0
-) -> float:
+def _planned(theta: float, sps: np.ndarray, r: int, k: int, draft_s: float) -> float:
     """The tokens K was planned on (verify_budget.planned_tokens), read off the Θ the K search
-    found: Θ = τ / ((forward(R + K) + drafter) · scale), scale StepKindBias's factor on that kind
-    of plan. nan at K = 0 (no draft for the lagged survival to be tested on) and where no K fitted
-    the table."""
+    found: Θ = τ / (forward(R + K) + drafter). nan at K = 0 (no draft for the lagged survival to
+    be tested on) and where no K fitted the table."""
     if k <= 0 or not math.isfinite(theta):
         return math.nan
-    return theta * (1.0 / float(sps[r + k]) + draft_s) * scale
+    return theta * (1.0 / float(sps[r + k]) + draft_s)
 
 
 def _fold(mean: float, n: int, x: float) -> tuple[float, int]:
@@ -181,24 +178,22 @@ def _charged_sps(sps: np.ndarray, r: int, skip_s: float) -> np.ndarray:
     return out
 
 
-def _biased(sps: np.ndarray, r: int, bias: float) -> np.ndarray:
-    """The whole-batch SPS table with every drafting plan's seconds (B > R) times exp(bias)
-    (StepKindBias); the plain step B = R as it was."""
+def _biased(
+    sps: np.ndarray, draft: np.ndarray | None, r: int, bias: float
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The SPS table and the row-priced drafter with every drafting plan's seconds times
+    exp(bias) (StepKindBias): the whole-batch table's B > R, or with a row-priced drafter the
+    forward's B > R and the drafter of n >= 1 rows; the plain step B = R (and draft[0], the
+    resume charge) as they were."""
     if not bias or sps.size <= r + 1:
-        return sps
+        return sps, draft
+    f = math.exp(bias)
     out = np.array(sps, np.float64, copy=True)
-    out[r + 1 :] /= math.exp(bias)
-    return out
-
-
-def _draft_scale(r: int, whole: float, partial: float) -> np.ndarray | None:
-    """StepKindBias's factors by rows drafted (verify_budget.selective_k's draft_scale): 1 for
-    none, exp(partial) for 1..R-1 rows, exp(whole) for all R; None when both are 1."""
-    if not whole and not partial:
-        return None
-    scale = np.full(r + 1, math.exp(partial))
-    scale[0], scale[r] = 1.0, math.exp(whole)
-    return scale
+    out[r + 1 :] /= f
+    if draft is not None:
+        draft = np.array(draft, np.float64, copy=True)
+        draft[1:] *= f
+    return out, draft
 
 
 def _center(prior: AcceptancePrior, pool: np.ndarray | None) -> np.ndarray:
@@ -749,7 +744,7 @@ class VerifyPlanner:
         explore: bool = False,
         skip_charge: float = 0.0,
         rho: float = 1.0,
-        bias: tuple[float, float] = (0.0, 0.0),
+        bias: float = 0.0,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
@@ -758,8 +753,9 @@ class VerifyPlanner:
         `explore`: the drafter's price at this R is untested, and the whole batch is drafted
         while priced within EXPLORE_RATIO of the best plan. `skip_charge`: seconds a K = 0 step is
         charged for the resume it causes (`_skip_charge`). `rho`: how much of a lagged row's
-        departure from the average row to believe (LagShrink). `bias`: the log factors on the
-        seconds of a plan that drafts every row and of one that drafts some (StepKindBias)."""
+        departure from the average row to believe (LagShrink). `bias`: the log factor on a
+        drafting plan's seconds (StepKindBias)."""
+        sps, draft = _biased(sps, draft, ids.size, bias)
         lagged, hit = _shrunk_lagged(history, ids, self.mode.lag, prior, pool, rho)
         tps = self.min_user_tps
         absent = ~hit
@@ -769,46 +765,31 @@ class VerifyPlanner:
             fill[absent] = stratified_rows(pool, int(np.count_nonzero(absent)))
         if draft is None:  # every K > 0 drafts every row
             surv = lagged if fill is None else fill
-            sps = _charged_sps(_biased(sps, ids.size, bias[0]), ids.size, skip_charge)
+            sps = _charged_sps(sps, ids.size, skip_charge)
             k, tau = lagged_global_plan(surv, sps, max_len=max_len, min_user_tps=tps)
             return k, None, tau if k > 0 else math.nan
         if skip_charge:  # draft[n]: the drafter of n rows; draft[0]: none (a plain step)
             draft = draft.copy()
             draft[0] = skip_charge
         r = ids.size
-        scale = _draft_scale(r, *bias)
-        k, rows, theta = selective_k(
-            lagged, sps, draft, max_len=max_len, min_user_tps=tps, draft_scale=scale
-        )
-        f = 1.0 if scale is None else float(scale[rows.size])
-        planned = _planned(theta, sps, r, k, float(draft[rows.size]), f)
+        k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
+        planned = _planned(theta, sps, r, k, float(draft[rows.size]))
         if fill is None and not explore:
             return k, rows, planned
         every = np.full_like(draft, draft[-1])
         every[0] = draft[0]
-        # the whole batch is drafted whatever the path's rows: every K > 0 is a whole-batch plan
-        whole = None if scale is None else np.where(np.arange(r + 1) > 0, scale[r], 1.0)
-        fw = 1.0 if scale is None else float(scale[r])
         surv = lagged if fill is None else fill
-        k_all, _, theta_all = selective_k(
-            surv, sps, every, max_len=max_len, min_user_tps=tps, draft_scale=whole
-        )
+        k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
         if k_all > 0 and theta_all > theta:
-            return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]), fw)
+            return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
         if explore:
             if k_all == 0:  # the best plan that drafts: every row verifies at least one draft
                 once = np.minimum(np.asarray(max_len), 1)
                 k_all, _, theta_all = selective_k(
-                    surv,
-                    sps,
-                    every,
-                    min_len=once,
-                    max_len=max_len,
-                    min_user_tps=tps,
-                    draft_scale=whole,
+                    surv, sps, every, min_len=once, max_len=max_len, min_user_tps=tps
                 )
             if k_all > 0 and theta_all >= self.explore_ratio * theta:
-                return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]), fw)
+                return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
         return k, rows, planned
 
     def _lagged_k(
@@ -857,9 +838,9 @@ class VerifyPlanner:
         if self._biased and not rec.num_prefill_tokens:
             drafted = rec.draft_seconds > 0.0
             if not drafted or (steady and not (rec.probe or rec.draft_resumed)):
-                some = 0 < rec.num_draft_reqs < rec.num_reqs
-                kind = PLAIN if not drafted else PARTIAL if some else WHOLE
-                self.step_bias.observe(rec.num_reqs, kind, rec.step_seconds, rec.predicted_seconds)
+                self.step_bias.observe(
+                    rec.num_reqs, drafted, rec.step_seconds, rec.predicted_seconds
+                )
         if self.estimator is None:
             return
         self._queued.append(rec)
@@ -893,16 +874,9 @@ class VerifyPlanner:
         excess = min(max(seconds / steady - 1.0, 0.0), RESUME_MAX)
         self.resume_ratio, self._resumes = _fold(self.resume_ratio, self._resumes, excess)
 
-    def _bias(self, r: int) -> tuple[float, float]:
-        """StepKindBias's log factors at R on a plan drafting every row and on one drafting some,
-        in steps of 1/128 (a K memo survives small moves)."""
-        if not self._biased:
-            return 0.0, 0.0
-        b = self.step_bias
-        return (
-            round(b.log_factor(r, WHOLE) * 128.0) / 128.0,
-            round(b.log_factor(r, PARTIAL) * 128.0) / 128.0,
-        )
+    def _bias(self, r: int) -> float:
+        """StepKindBias's log factor at R, in steps of 1/128 (a K memo survives small moves)."""
+        return round(self.step_bias.log_factor(r) * 128.0) / 128.0 if self._biased else 0.0
 
     def _skip_charge(self, r: int) -> float:
         """Seconds a K search for R requests charges K = 0 in a drafting run: the resume it

@@ -643,32 +643,6 @@ def test_selective_k_is_the_row_priced_search_and_the_rows_it_admits(
         assert theta == pytest.approx(tokens * priced[a.shape[0] + k], rel=1e-9)
 
 
-def test_selective_k_scales_each_plans_seconds_by_the_rows_it_drafts() -> None:
-    """draft_scale[n] multiplies the seconds of a plan drafting n rows: all ones changes
-    nothing (the small path and the numpy path alike), and a dear enough factor on drafting
-    some rows turns the one-confident-request plan into no drafting at all."""
-    a = survival(np.array([[0.95] * 4] + [[0.05] * 4] * 7))
-    sps = np.concatenate([[0.0], np.full(8 * 5, 1.0 / 0.08)])
-    draft = 0.005 + 0.01 * np.arange(9)
-    draft[0] = 0.0
-    plain = vb.selective_k(a, sps, draft)
-    assert plain[0] == 4 and plain[1].tolist() == [0]
-    for tps in (0.0, 1.0):  # the small path, and the numpy one a per-user floor takes
-        ones = vb.selective_k(a, sps, draft, draft_scale=np.ones(9), min_user_tps=tps)
-        base = vb.selective_k(a, sps, draft, min_user_tps=tps)
-        assert ones[0] == base[0] and ones[1].tolist() == base[1].tolist()
-        assert ones[2] == pytest.approx(base[2], rel=1e-12)
-    gain = plain[2] / (8 / 0.08)  # Θ(K = 4 on one row) over Θ(K = 0)
-    for tps in (0.0, 1.0):
-        scale = np.ones(9)
-        scale[1:8] = 1.01 * gain  # drafting some rows now prices above no drafting
-        k, rows, theta = vb.selective_k(a, sps, draft, draft_scale=scale, min_user_tps=tps)
-        assert k == 0 and rows.size == 0
-        scale[1:8] = 0.99 * gain
-        k, rows, theta = vb.selective_k(a, sps, draft, draft_scale=scale, min_user_tps=tps)
-        assert k == 4 and theta == pytest.approx(plain[2] / (0.99 * gain), rel=1e-9)
-
-
 def test_a_few_confident_requests_pay_for_a_drafter_priced_by_its_rows() -> None:
     """One confident request among eight: drafting all eight does not pay for its tokens,
     drafting it alone does, and the rows to draft are exactly the ones K admits."""

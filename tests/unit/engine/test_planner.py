@@ -819,7 +819,6 @@ def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
     plain steps did, a drafter priced a little under break-even no longer drafts; where they ran
     under, one priced a little over does. A bias learned at another R bin changes nothing."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
-    from dspark_sglang.algo.step_bias import PLAIN, WHOLE
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import VerifyPlanner
 
@@ -837,8 +836,8 @@ def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
         p.plan(ids, logits, max_len, 10, 0)
         p.plan(ids, logits, max_len, 10, 0)
         for _ in range(200):
-            p.step_bias.observe(at_r, WHOLE, draft_ratio * 0.03, 0.03)
-            p.step_bias.observe(at_r, PLAIN, 0.01, 0.01)
+            p.step_bias.observe(at_r, True, draft_ratio * 0.03, 0.03)
+            p.step_bias.observe(at_r, False, 0.01, 0.01)
         return p.budget(ids, max_len, 10)
 
     cheap, dear = 0.95 * even, 1.05 * even
@@ -849,9 +848,8 @@ def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
 
 
 def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() -> None:
-    """Steady drafting steps (of every row, or of some) and plain steps teach StepKindBias their
-    measured / predicted seconds, each as its kind; probes, a resumed drafter, a prompt backlog
-    and steps with prefill tokens do not."""
+    """Steady drafting steps and plain steps teach StepKindBias their measured / predicted
+    seconds; probes, a resumed drafter, and steps with prefill tokens do not."""
     import math
 
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
@@ -867,8 +865,8 @@ def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() ->
         return StepRecord(0, 1, 4, 0, 1, 10, seconds, predicted_seconds=predicted, **kw)
 
     def counts() -> tuple[float, float]:
-        row = p.step_bias.bins.get(0, [0.0] * 6)
-        return row[1], row[5]
+        row = p.step_bias.bins.get(0, [0.0, 0.0, 0.0, 0.0])
+        return row[1], row[3]
 
     p.skip(ids, max_len, 10)
     p.observe(np.zeros(1, np.int64), np.zeros(1, np.int64), rec(0.011, 0.01), ids)
@@ -889,19 +887,13 @@ def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() ->
     p.observe(np.zeros(1, np.int64), np.zeros(1, np.int64), prefill, ids)
     assert counts() == (1.0, 1.0)
     assert p.step_bias.bins[0][0] == pytest.approx(math.log(1.5))
-    assert p.step_bias.bins[0][4] == pytest.approx(math.log(1.1))
-    assert p.state()["step_bias"]["1"]["whole_steps"] == 1.0
-    p.plan(ids, logits, max_len, 10, 3)
-    p.plan(ids, logits, max_len, 10, 3)  # steady; its record: one of two rows drafted
-    some = StepRecord(0, 2, 5, 0, 2, 20, 0.04, predicted_seconds=0.02, **drafted)
-    p.observe(np.array([3]), np.array([1]), some, ids)
-    assert p.state()["step_bias"]["2"]["partial_steps"] == 1.0
+    assert p.step_bias.bins[0][2] == pytest.approx(math.log(1.1))
+    assert p.state()["step_bias"]["1"]["draft_steps"] == 1.0
 
 
 def test_the_step_bias_can_be_turned_off() -> None:
     """`--disable-step-bias`: the K search prices by the capacity model alone."""
     from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
-    from dspark_sglang.algo.step_bias import PLAIN, WHOLE
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import VerifyPlanner
 
@@ -911,41 +903,6 @@ def test_the_step_bias_can_be_turned_off() -> None:
     off = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, True, step_bias=False)
     for p in (on, off):
         for _ in range(100):
-            p.step_bias.observe(1, WHOLE, 0.03, 0.02)
-            p.step_bias.observe(1, PLAIN, 0.01, 0.01)
-    assert on._bias(1)[0] == pytest.approx(0.25, abs=1 / 128) and off._bias(1) == (0.0, 0.0)
-
-
-def test_a_selective_plan_is_priced_by_how_selective_steps_ran() -> None:
-    """StepKindBias keeps steps that drafted some rows apart from those that drafted every row:
-    once selective steps at this R ran 30 % over their prediction (plain and whole-batch ones
-    on time), the K search no longer drafts the one confident request alone."""
-    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
-    from dspark_sglang.algo.step_bias import PARTIAL, PLAIN, WHOLE
-    from dspark_sglang.algo.verify_budget import parse_schedule_mode
-    from dspark_sglang.engine.planner import VerifyPlanner
-
-    # plain (B = 2) 20 ms; the confident request's four drafts (B = 6) 50 ms + a 2 ms drafter:
-    # about 10 % more tokens a second than plain; both rows (B = 10) 80 + 50 ms: far less
-    table = TableModel((2, 6, 10), (0.02, 0.05, 0.08))
-    cap = CapacityModel(table, draft=Curve((1.0, 2.0), (0.002, 0.05)))
-    ids, max_len = [7, 8], np.array([4, 4])
-    logits = np.array([[4.0] * 4, [-4.0] * 4])
-
-    def planner(partial_ratio: float) -> VerifyPlanner:
-        p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True)
-        p.plan(ids, logits, max_len, 10, 0)
-        p.plan(ids, logits, max_len, 10, 0)
-        for _ in range(200):
-            p.step_bias.observe(2, PARTIAL, partial_ratio * 0.03, 0.03)
-            p.step_bias.observe(2, WHOLE, 0.03, 0.03)
-            p.step_bias.observe(2, PLAIN, 0.02, 0.02)
-        return p
-
-    on_time = planner(1.0)
-    k = on_time.budget(ids, max_len, 10)
-    assert k > 0 and on_time.draft_rows(ids, k, max_len).tolist() == [0]
-    dear = planner(1.3)
-    k = dear.budget(ids, max_len, 10)
-    assert k == 0 or dear.draft_rows(ids, k, max_len) is None
-    assert dear._bias(2)[1] > 0.2 and dear._bias(2)[0] == 0.0
+            p.step_bias.observe(1, True, 0.03, 0.02)
+            p.step_bias.observe(1, False, 0.01, 0.01)
+    assert on._bias(1) == pytest.approx(0.25, abs=1 / 128) and off._bias(1) == 0.0
