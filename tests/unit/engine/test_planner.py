@@ -608,24 +608,36 @@ def test_a_resumed_drafter_teaches_the_switch_price_and_a_prompt_backlog_does_no
     assert p.resume_ratio == pytest.approx((0.5 + RESUME_MAX) / 2)
 
 
+def _break_even_drafter() -> tuple[object, list[int], np.ndarray, np.ndarray, float]:
+    """One confident request on a table where B = 1 costs 10 ms and B = 2 … 64 20 ms (K = 4 if it
+    pays): the table, the request's ids, caps and confidence logits, and the drafter price at
+    which K = 4 ties K = 0 (one token a 10 ms step)."""
+    from dspark_sglang.algo.capacity import TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    table = TableModel((1, 64), (0.01, 0.02))
+    ids, max_len, logits = [7], np.array([4]), np.full((1, 4), 4.0)
+    probe = VerifyPlanner(
+        parse_schedule_mode("lagged"), 4, CapacityModel(table), None, False, 0.0, False
+    )
+    probe.plan(ids, logits, max_len, 10, 0)
+    tau = 1.0 + float(probe.history.lagged(np.array(ids), 1, probe.prior).sum())
+    return table, ids, max_len, logits, tau / 100.0 - 0.02
+
+
 @pytest.mark.parametrize("selective", [True, False])
 def test_a_skip_in_a_drafting_run_is_charged_the_resume_it_causes(selective: bool) -> None:
     """With a learned resume excess, a K search in a drafting run charges it to K = 0 (whose
     resume comes later): a drafter priced a little over break-even keeps drafting once drafting.
     Leaving a plain run (here after two probes) is not charged: a drafter a little under
     break-even drafts either way. Without the excess both follow the price."""
-    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.capacity import CapacityModel, Curve
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import VerifyPlanner
 
-    # B = 1 costs 10 ms, B = 2 … 64 20 ms; the one request is confident: K = 4 if it pays
-    table = TableModel((1, 64), (0.01, 0.02))
-    ids, max_len, logits = [7], np.array([4]), np.full((1, 4), 4.0)
+    table, ids, max_len, logits, even = _break_even_drafter()
     mode = parse_schedule_mode("lagged")
-    probe = VerifyPlanner(mode, 4, CapacityModel(table), None, False, 0.0, False)
-    probe.plan(ids, logits, max_len, 10, 0)
-    tau = 1.0 + float(probe.history.lagged(np.array(ids), 1, probe.prior).sum())
-    even = tau / 100.0 - 0.02  # the drafter price at which K = 4 ties K = 0 (1 token / 10 ms)
 
     def k_of(draft_s: float, ratio: float, drafting_run: bool) -> int:
         cap = CapacityModel(table, draft=Curve((1.0, 64.0), (draft_s, draft_s)))
@@ -818,17 +830,12 @@ def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
     """StepKindBias: where drafting steps at this R ran over their predicted seconds by more than
     plain steps did, a drafter priced a little under break-even no longer drafts; where they ran
     under, one priced a little over does. A bias learned at another R bin changes nothing."""
-    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.capacity import CapacityModel, Curve
     from dspark_sglang.algo.verify_budget import parse_schedule_mode
     from dspark_sglang.engine.planner import VerifyPlanner
 
-    table = TableModel((1, 64), (0.01, 0.02))
-    ids, max_len, logits = [7], np.array([4]), np.full((1, 4), 4.0)
+    table, ids, max_len, logits, even = _break_even_drafter()
     mode = parse_schedule_mode("lagged")
-    probe = VerifyPlanner(mode, 4, CapacityModel(table), None, False, 0.0, False)
-    probe.plan(ids, logits, max_len, 10, 0)
-    tau = 1.0 + float(probe.history.lagged(np.array(ids), 1, probe.prior).sum())
-    even = tau / 100.0 - 0.02  # the drafter price at which K = 4 ties K = 0
 
     def k_of(draft_s: float, draft_ratio: float, at_r: int = 1) -> int:
         cap = CapacityModel(table, draft=Curve((1.0, 64.0), (draft_s, draft_s)))
