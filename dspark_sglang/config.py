@@ -8,9 +8,12 @@ back. Imports nothing from the package.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dspark_sglang.algo.step_bias import DEFAULT_PRIOR
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -258,6 +261,9 @@ class DraftConfig:
     # lagged mode: the K search multiplies a drafting plan's seconds by how far drafting steps at
     # that R ran over their predicted seconds, less how far plain steps did (algo.step_bias)
     step_bias: bool = True
+    # ... and until both kinds were measured at an R, assumes drafting steps run this fraction
+    # over their prediction relative to plain steps (algo.step_bias.DEFAULT_PRIOR; 0 = none)
+    step_bias_prior: float = DEFAULT_PRIOR
     # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
     # for the same batch, drafting every row, search again only every this many steps; the steps
     # between take that K, and only the one whose survival the next search reads learns
@@ -282,6 +288,8 @@ class DraftConfig:
             raise ConfigError("--min-user-tps must be >= 0")
         if not 0.0 <= self.explore_ratio <= 1.0:
             raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
+        if not (math.isfinite(self.step_bias_prior) and -0.5 < self.step_bias_prior < 1.0):
+            raise ConfigError(f"--step-bias-prior must be in (-0.5, 1), got {self.step_bias_prior}")
         if self.replan_every < 1:
             raise ConfigError(f"--lagged-replan-every must be >= 1, got {self.replan_every}")
         if self.startup_profile_seconds <= 0:

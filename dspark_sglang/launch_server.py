@@ -138,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the live correction of its error on drafting steps over plain ones (default: on)",
     )
     a(
+        "--step-bias-prior",
+        type=float,
+        default=dc.step_bias_prior,
+        metavar="FRACTION",
+        help="lagged mode: until drafting and plain steps at a batch size were both measured, "
+        "assume drafting steps run this fraction over the capacity model's price relative to "
+        "plain ones, shrunk away as they are (0 = the model's prices; default %(default)s)",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -275,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             explore_ratio=args.explore_ratio,
             lag_shrink=args.lag_shrink,
             step_bias=args.step_bias,
+            step_bias_prior=args.step_bias_prior,
             replan_every=args.replan_every,
             draft_dtype=args.draft_dtype,
         ),

@@ -31,6 +31,13 @@ BIAS_PRIOR = 16.0
 BIAS_CLIP = 0.5
 # the factor stays within exp(±BIAS_MAX)
 BIAS_MAX = 0.25
+# What a bin's factor starts from and is shrunk toward while its evidence is thin (as a fraction:
+# drafting steps assumed this much over their prediction, relative to plain steps). At high load
+# on the CPU engine a deployment sees a few dozen drafting steps per R bin, so a prior of 0 kept
+# the factor near 1 for most of its life while every run measured drafting over plain:
+# summed-seconds ratios (measured / predicted, drafting over plain) of 1.075 (R 33-64) and
+# 1.00-1.08 (R 17-32) in s43's lagged logs, 1.10-1.15 at R = 2; per deployment 0.91-1.20.
+DEFAULT_PRIOR = 0.04
 
 
 def bias_bin(r: int) -> int:
@@ -40,9 +47,16 @@ def bias_bin(r: int) -> int:
 
 @dataclass
 class StepKindBias:
-    """Per R bin: [mean log residual, records] of drafting steps and of plain steps."""
+    """Per R bin: [mean log residual, records] of drafting steps and of plain steps. `prior`: the
+    fraction a bin's factor starts from (0 = the model's prices until measured)."""
 
+    prior: float = 0.0
     bins: dict[int, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.prior) and -0.5 < self.prior < 1.0):
+            raise ValueError(f"step bias prior must be in (-0.5, 1), got {self.prior}")
+        self._prior_log = max(-BIAS_MAX, min(BIAS_MAX, math.log1p(self.prior)))
 
     def observe(self, r: int, drafted: bool, measured: float, predicted: float) -> None:
         """Fold one step: `drafted` = a steady drafting step (not a probe, not a resumed
@@ -58,13 +72,15 @@ class StepKindBias:
 
     def log_factor(self, r: int) -> float:
         """log of the factor on a drafting plan's seconds at R: the drafting steps' mean
-        residual less the plain steps', shrunk toward 0 by each kind's evidence (BIAS_PRIOR
-        records each): a bin that has seen one kind only has no difference to tell."""
+        residual less the plain steps', shrunk toward the prior by each kind's evidence
+        (BIAS_PRIOR records each): a bin that has seen one kind only has no difference to tell
+        and keeps the prior."""
         row = self.bins.get(bias_bin(r))
         if row is None:
-            return 0.0
+            return self._prior_log
         weight = row[1] / (row[1] + BIAS_PRIOR) * row[3] / (row[3] + BIAS_PRIOR)
-        return max(-BIAS_MAX, min(BIAS_MAX, weight * (row[0] - row[2])))
+        measured = weight * (row[0] - row[2]) + (1.0 - weight) * self._prior_log
+        return max(-BIAS_MAX, min(BIAS_MAX, measured))
 
     def state(self) -> dict[str, dict[str, float]]:
         """Per bin (the smallest R in it): the two kinds' means and counts, and the factor."""

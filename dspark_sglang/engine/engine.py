@@ -232,6 +232,7 @@ class LLMEngine:
             cfg.lag_shrink,
             cfg.replan_every,
             cfg.step_bias,
+            cfg.step_bias_prior,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

@@ -253,6 +253,7 @@ class VerifyPlanner:
         lag_shrink: bool = False,
         replan_every: int = 1,
         step_bias: bool = True,
+        step_bias_prior: float = 0.0,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
@@ -313,7 +314,7 @@ class VerifyPlanner:
         self.calibration = SurvivalCalibration.identity()
         self._corrects = mode.name in ("sync", "lagged")
         # lagged: the capacity model's error on drafting steps over plain ones (algo/step_bias.py)
-        self.step_bias = StepKindBias()
+        self.step_bias = StepKindBias(step_bias_prior)
         self._biased = step_bias and lagged and capacity is not None
         # this step's drafts for observe_acceptance: (request ids, raw confidences, their
         # first-stage survival, the ConfidenceCorrection that survival was taken under)
