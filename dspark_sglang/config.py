@@ -179,8 +179,14 @@ class ModelConfig:
     # fp32 products on the CPU: oneDNN on packed weights, or torch's default (MKL); auto =
     # oneDNN on AMD CPUs, where it measured 2-3x faster (models/cpu_gemm.py)
     cpu_gemm: str = "auto"
+    # CPU engines: freed heap memory the process keeps mapped for the next step's temporaries
+    # instead of returning it to the kernel and faulting it back in (engine/malloc_tuning.py;
+    # glibc only; 0 = glibc's defaults)
+    cpu_malloc_keep_mib: int = 256
 
     def __post_init__(self) -> None:
+        if self.cpu_malloc_keep_mib < 0:
+            raise ConfigError(f"--cpu-malloc-keep-mib must be >= 0, got {self.cpu_malloc_keep_mib}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.cpu_gemm not in CPU_GEMMS:

@@ -167,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32 products on the CPU: oneDNN on weights packed at load, or torch's MKL "
         "(auto: oneDNN on AMD CPUs, where it measured 2-3x faster)",
     )
+    a(
+        "--cpu-malloc-keep-mib",
+        type=int,
+        default=_defaults(ModelConfig).cpu_malloc_keep_mib,
+        metavar="MIB",
+        help="CPU engines (glibc): freed heap memory kept mapped for the next step's "
+        "temporaries instead of being returned to the kernel and faulted back in; 0 = glibc's "
+        "defaults (default %(default)s)",
+    )
     a("--device", default="cpu")
     a("--max-model-len", type=int)
     a("--page-size", type=int, default=_defaults(CacheConfig).page_size)
@@ -260,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             device=args.device,
             max_model_len=args.max_model_len,
             cpu_gemm=args.cpu_gemm,
+            cpu_malloc_keep_mib=args.cpu_malloc_keep_mib,
         ),
         cache=CacheConfig(
             page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_blocks=args.num_blocks

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from dspark_sglang.config import ArchConfig, CacheConfig, ConfigError, DraftConfig, ModelConfig
 from dspark_sglang.engine.batch import ForwardBatch
 from dspark_sglang.engine.kv_cache import allocate_kv, bytes_per_block, num_blocks_for
+from dspark_sglang.engine.malloc_tuning import keep_freed_memory
 from dspark_sglang.engine.speculative import DraftBatch, Proposal, length_groups
 from dspark_sglang.hostinfo import CPUINFO, cpu_fields
 from dspark_sglang.models.attention import ForwardContext, forward_context
@@ -48,6 +49,10 @@ class ModelRunner:
             raise ConfigError(f"--device {model_cfg.device} requested but CUDA is not available")
         self.arch = ArchConfig.from_model_path(model_cfg.path)
         self.device = model_cfg.device
+        # process-wide, before the first forward's temporaries are allocated
+        self.malloc_tuned = self.device.startswith("cpu") and keep_freed_memory(
+            model_cfg.cpu_malloc_keep_mib << 20
+        )
         self.dtype = torch_dtype(model_cfg.dtype)
         draft_arch = None
         taps = model_cfg.tap_layer_ids

@@ -86,3 +86,26 @@ def test_the_mean_runs_exact_then_moves_at_the_rate() -> None:
     before = b.bins[0][0]
     b.observe(1, True, 1.0, 1.0)
     assert b.bins[0][0] == pytest.approx(before * (1 - BIAS_RATE))
+
+
+def test_a_bin_starts_from_the_prior_and_evidence_shrinks_it_away() -> None:
+    """Until both kinds were measured at an R the factor is the prior; as they are, it moves to
+    the measured difference, and a bin that has seen one kind only keeps the prior."""
+    b = StepKindBias(prior=0.04)
+    assert b.log_factor(40) == pytest.approx(math.log(1.04))
+    for _ in range(100):
+        b.observe(40, True, 1.0, 1.0)  # drafting steps only: nothing to compare yet
+    assert b.log_factor(40) == pytest.approx(math.log(1.04))
+    for _ in range(8):
+        b.observe(40, False, 1.0, 1.0)  # plain ones on time too: the kinds agree
+    w = 100 / (100 + BIAS_PRIOR) * 8 / (8 + BIAS_PRIOR)
+    assert b.log_factor(40) == pytest.approx((1 - w) * math.log(1.04))
+    for _ in range(5000):
+        b.observe(40, True, 1.0, 1.0)
+        b.observe(40, False, 1.0, 1.0)
+    assert abs(b.log_factor(40)) < 0.01 * math.log(1.04)
+    assert StepKindBias().log_factor(40) == 0.0  # no prior: the model's prices
+    assert StepKindBias(prior=0.9).log_factor(2) == BIAS_MAX  # the cap holds for the prior too
+    for bad in (1.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="prior"):
+            StepKindBias(prior=bad)

@@ -854,6 +854,32 @@ def test_lagged_k_prices_drafting_by_how_drafting_steps_ran_against_plain_ones(
     assert k_of(cheap, 1.2, at_r=32) == 4
 
 
+def test_the_step_bias_prior_prices_drafting_before_any_step_was_measured() -> None:
+    """A drafter priced 2 % under break-even drafts with no prior; with the prior (4 %) it waits
+    until drafting and plain steps at its R were measured, and drafts again once they agree."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    table, ids, max_len, logits, even = _break_even_drafter()
+    cap = CapacityModel(table, draft=Curve((1.0, 64.0), (0.98 * even, 0.98 * even)))
+
+    def planner(prior: float) -> VerifyPlanner:
+        mode = parse_schedule_mode("lagged")
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, True, step_bias_prior=prior)
+        p.plan(ids, logits, max_len, 10, 0)
+        p.plan(ids, logits, max_len, 10, 0)
+        return p
+
+    assert planner(0.0).budget(ids, max_len, 10) == 4
+    p = planner(0.04)
+    assert p.budget(ids, max_len, 10) == 0
+    for _ in range(2000):
+        p.step_bias.observe(1, True, 0.03, 0.03)
+        p.step_bias.observe(1, False, 0.01, 0.01)
+    assert p.budget(ids, max_len, 10) == 4
+
+
 def test_observe_teaches_the_step_bias_steady_drafting_and_plain_steps_only() -> None:
     """Steady drafting steps and plain steps teach StepKindBias their measured / predicted
     seconds; probes, a resumed drafter, and steps with prefill tokens do not."""

@@ -77,6 +77,19 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.draft.step_bias  # lagged corrects the model's drafting-over-plain error
     plain = build_parser().parse_args(["--model-path", str(model), "--disable-step-bias"])
     assert not config_from_args(plain).draft.step_bias
+    assert cfg.model.cpu_malloc_keep_mib == 256  # a CPU engine keeps freed heap for reuse
+    kept = build_parser().parse_args(["--model-path", str(model), "--cpu-malloc-keep-mib", "0"])
+    assert config_from_args(kept).model.cpu_malloc_keep_mib == 0
+    wild = build_parser().parse_args(["--model-path", str(model), "--cpu-malloc-keep-mib", "-1"])
+    with pytest.raises(ConfigError, match="--cpu-malloc-keep-mib"):
+        config_from_args(wild)
+    assert cfg.draft.step_bias_prior == 0.04  # drafting assumed 4 % dear until measured
+    none = build_parser().parse_args(["--model-path", str(model), "--step-bias-prior", "0"])
+    assert config_from_args(none).draft.step_bias_prior == 0.0
+    for bad in ("1", "-0.5", "nan"):
+        wild = build_parser().parse_args(["--model-path", str(model), "--step-bias-prior", bad])
+        with pytest.raises(ConfigError, match="--step-bias-prior"):
+            config_from_args(wild)
     assert cfg.draft.replan_every == 8  # a pinned lagged K is searched again every 8 steps
     every = build_parser().parse_args(["--model-path", str(model), "--lagged-replan-every", "1"])
     assert config_from_args(every).draft.replan_every == 1
