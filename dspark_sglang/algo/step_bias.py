@@ -10,9 +10,10 @@ one forward scale per executed bucket, a draft term and a host term; the misses 
 (verify forwards at ragged shapes, the drafter's bookkeeping on steps that follow plain ones) add
 up to a step-level bias that no single term shows. This module measures it where it acts: per R
 bin, the mean log residual of steady drafting steps and of plain steps, and their difference as
-the factor the K search multiplies a drafting plan's seconds by. A common error (a slower host
-the level has not caught yet) cancels; only the kinds' difference moves K, and it moves only the
-choice between drafting and not (every K > 0 plan takes the same factor).
+the factor the K search multiplies a drafting plan's seconds by, shrunk toward a prior while a
+bin's evidence is thin. A common error (a slower host the level has not caught yet) cancels;
+only the kinds' difference moves K, and it moves only the choice between drafting and not
+(every K > 0 plan takes the same factor).
 
 Pure Python: no numpy needed for a dozen bins.
 """
@@ -35,8 +36,10 @@ BIAS_MAX = 0.25
 # drafting steps assumed this much over their prediction, relative to plain steps). At high load
 # on the CPU engine a deployment sees a few dozen drafting steps per R bin, so a prior of 0 kept
 # the factor near 1 for most of its life while every run measured drafting over plain:
-# summed-seconds ratios (measured / predicted, drafting over plain) of 1.075 (R 33-64) and
-# 1.00-1.08 (R 17-32) in s43's lagged logs, 1.10-1.15 at R = 2; per deployment 0.91-1.20.
+# summed-seconds ratios (measured / predicted, drafting over plain) of 1.06-1.075 (R 33-64) and
+# 1.00-1.07 (R 17-32) in s43's lagged logs, 1.10-1.15 at R = 2; per deployment 0.91-1.20.
+# Served A/B (s44_malloc): without it lagged ran 0.969 of itself at c = 2 and within 0.991-1.012
+# (intervals spanning 1) at c = 8-64 (docs/scheduler.md).
 DEFAULT_PRIOR = 0.04
 
 
