@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dspark_sglang.algo.step_bias import DEFAULT_PRIOR
-
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -268,8 +266,9 @@ class DraftConfig:
     # that R ran over their predicted seconds, less how far plain steps did (algo.step_bias)
     step_bias: bool = True
     # ... and until both kinds were measured at an R, assumes drafting steps run this fraction
-    # over their prediction relative to plain steps (algo.step_bias.DEFAULT_PRIOR; 0 = none)
-    step_bias_prior: float = DEFAULT_PRIOR
+    # over their prediction relative to plain steps (0 = none; the value and its evidence are
+    # algo.step_bias.DEFAULT_PRIOR's, which config may not import)
+    step_bias_prior: float = 0.04
     # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
     # for the same batch, drafting every row, search again only every this many steps; the steps
     # between take that K, and only the one whose survival the next search reads learns

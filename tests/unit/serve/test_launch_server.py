@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_sglang.algo.step_bias import DEFAULT_PRIOR
 from dspark_sglang.config import ConfigError
 from dspark_sglang.launch_server import build_parser, config_from_args, main
 
@@ -83,7 +84,7 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     wild = build_parser().parse_args(["--model-path", str(model), "--cpu-malloc-keep-mib", "-1"])
     with pytest.raises(ConfigError, match="--cpu-malloc-keep-mib"):
         config_from_args(wild)
-    assert cfg.draft.step_bias_prior == 0.04  # drafting assumed 4 % dear until measured
+    assert cfg.draft.step_bias_prior == DEFAULT_PRIOR == 0.04  # drafting 4 % dear until measured
     none = build_parser().parse_args(["--model-path", str(model), "--step-bias-prior", "0"])
     assert config_from_args(none).draft.step_bias_prior == 0.0
     for bad in ("1", "-0.5", "nan"):
