@@ -5,10 +5,11 @@ logits, gathered K/V, verify activations) are malloc'd and freed anew. glibc ser
 above its mmap threshold (dynamic, at most 32 MiB) with a fresh mmap, and trims a heap whose free
 top exceeds its trim threshold (twice that); either way the next step's chunk of the same size
 comes back as fresh pages, and the kernel zero-fills each on first touch. Measured in-process,
-2026-12-05 (bundled pair, c = 64, one whole-batch drafter pass at R = 64 timed ten times): 4,050
-minor page faults and 40.5 ms a pass with glibc's defaults, 4-8 faults and 30.9 ms once the
-mmap threshold was 32 MiB and the trim threshold 1 GiB. The price is memory: up to `keep_bytes`
-of freed heap stays mapped (it is reused by the next step, not leaked).
+2026-12-05 (bundled pair, one whole-batch drafter pass at R = 64 timed 30 times in each of three
+processes per setting): 3,680-3,770 minor page faults and 34.6-35.7 ms a pass with glibc's
+defaults (one process 0 and 29.4: the dynamic threshold had settled), 0-8 faults and 27.7-29.0
+ms with this module's settings at 256 MiB. The price is memory: up to `keep_bytes` of freed
+heap stays mapped (the next step reuses it; it is not leaked).
 
 ctypes + platform only; a no-op where the C library is not glibc.
 """
@@ -20,7 +21,7 @@ import ctypes.util
 import platform
 
 # mallopt parameters (glibc malloc.h)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # glibc's largest mmap threshold on 64-bit hosts (HEAP_MAX_SIZE / 2): larger values are refused
 MMAP_THRESHOLD_MAX = 32 << 20
 

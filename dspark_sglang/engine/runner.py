@@ -49,10 +49,8 @@ class ModelRunner:
             raise ConfigError(f"--device {model_cfg.device} requested but CUDA is not available")
         self.arch = ArchConfig.from_model_path(model_cfg.path)
         self.device = model_cfg.device
-        # process-wide, before the first forward's temporaries are allocated
-        self.malloc_tuned = self.device.startswith("cpu") and keep_freed_memory(
-            model_cfg.cpu_malloc_keep_mib << 20
-        )
+        if self.device.startswith("cpu"):  # process-wide, before the first forward's temporaries
+            keep_freed_memory(model_cfg.cpu_malloc_keep_mib << 20)
         self.dtype = torch_dtype(model_cfg.dtype)
         draft_arch = None
         taps = model_cfg.tap_layer_ids
