@@ -177,7 +177,8 @@ def _verify_greedy(
     (a draft is accepted iff it is the target's argmax there; the bonus is the argmax after the
     accepted prefix), which needs no [R, g+1, V] probability tensors. Ties break toward the
     lower id, as processed_probs does."""
-    best = logits.argmax(dim=-1).tolist()  # the step's one host sync
+    # max's indices: argmax's first maximum, 3x faster on CPU (models/drafter.py propose)
+    best = logits.max(dim=-1).indices.tolist()  # the step's one host sync
     tokens, accepted = {}, {}
     start = 0
     for s, count in zip(seqs, row_counts, strict=True):
