@@ -138,6 +138,28 @@ def test_grouped_attention_matches_full_recompute(hf_model_dir: Path, monkeypatc
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
+def test_decode_rows_folded_per_kv_head_match_full_recompute(
+    hf_model_dir: Path, monkeypatch
+) -> None:
+    """Decode-only groups run their query heads as rows of the KV head they share (no K/V
+    expansion): one group of all rows, then several of very different contexts, row for row."""
+    hf = hf_reference(hf_model_dir)
+    d = Driver(hf_model_dir, page_size=4, num_blocks=160)
+    g = torch.Generator().manual_seed(7)
+    ids = [d.new() for _ in range(6)]
+    hist = dict(zip(ids, [rand_tokens(g, n) for n in (5, 7, 6, 90, 30, 12)], strict=True))
+    d.run([(s, t) for s, t in hist.items()])
+    for floor in (attention.MIN_GROUP_CELLS, 0):  # merged into one group, then split
+        monkeypatch.setattr(attention, "MIN_GROUP_CELLS", floor)
+        new = {s: rand_tokens(g, 1) for s in ids}
+        outs, _ = d.run([(s, t) for s, t in new.items()])
+        for (s, t), got in zip(new.items(), outs, strict=True):
+            hist[s] += t
+            torch.testing.assert_close(
+                got[0], reference_logits(hf, hist[s])[-1], atol=ATOL, rtol=1e-4
+            )
+
+
 def test_verify_rows_grouped_by_query_count_match_full_recompute(
     hf_model_dir: Path, monkeypatch
 ) -> None:
