@@ -11,7 +11,8 @@ blocks asked about:
 - rows older than a direct write of their block (an adopted handoff's prompt context) are
   dropped: that write supersedes them;
 - `take(blocks)` returns only the rows of those blocks (the requests a probe or a selective
-  step drafts) and keeps the rest, in order, for later.
+  step drafts) and keeps the rest, in order, for later;
+- `compact(live)` drops what no take would return and keeps the rest, without handing any back.
 
 numpy + torch; knows blocks and slots, nothing about requests or scheduling.
 """
@@ -103,6 +104,16 @@ class PendingContext:
             return out[0]
         taps, pos, slot_ids = (torch.cat(p) for p in zip(*out, strict=True))
         return taps, pos, slot_ids
+
+    def compact(self, live: Sequence[int]) -> None:
+        """Drop the rows no `take` would hand back (blocks no live request owns, superseded
+        rows) and keep the rest, in order, as one part. What a long plain stretch holds is
+        mostly rows of requests gone since: this bounds it without projecting the live ones."""
+        if not self._parts:
+            return
+        self.take(live, ())  # wants nothing: keeps exactly the live, current rows
+        if len(self._parts) > 1:
+            self._parts = [self._cat()]
 
     def _mask(self, blocks: Sequence[int]) -> torch.Tensor:
         m = torch.zeros(self._num_blocks, dtype=torch.bool, device=self._device)

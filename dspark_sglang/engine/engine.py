@@ -530,7 +530,12 @@ class LLMEngine:
             row_bytes = taps.shape[-1] * taps.element_size()
             cap = max(_MIN_PENDING_CTX_ROWS, _MAX_PENDING_CTX_BYTES // row_bytes)
             if self._pending.rows >= cap:
-                self._flush_draft_context()
+                # Mostly rows of requests gone since: drop those; project the live ones only
+                # when they alone fill half the cap (long contexts), so memory stays bounded.
+                live = [b for s in self.scheduler.seqs.values() for b in s.block_table]
+                self._pending.compact(live)
+                if 2 * self._pending.rows >= cap:
+                    self._flush_draft_context()
             return
         # A step of prefill-only requests alone (a prefill worker's) projects its rows for the
         # handoffs and writes none into this engine's drafter cache: no drafter runs on them

@@ -26,7 +26,8 @@ def _write(cache: dict[int, float], rows: tuple[torch.Tensor, ...] | None) -> No
 @pytest.mark.parametrize("seed", range(40))
 def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(seed: int) -> None:
     """Random owners take and free blocks, verify rows (appended in step order), have prompts
-    written directly (an adopted handoff) and get drafted a few at a time; whenever a request
+    written directly (an adopted handoff), get their queue compacted and get drafted a few at a
+    time; whenever a request
     drafts, every slot it has written since it got the block holds the same row as under
     eager writes of every step."""
     rng = random.Random(seed)
@@ -68,6 +69,10 @@ def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(see
                     eager[s] = (v, owner[s // PAGE])
                 sl = torch.tensor(slots)
                 pend.add(vals, sl.clone(), sl)
+        elif op < 0.85 and owner:  # the queue hit its cap: dead and stale rows are dropped
+            before = pend.rows
+            pend.compact(sorted(owner))
+            assert pend.rows <= before and len(pend) <= 1
         elif owner:  # the drafter runs on some requests (None: every live one)
             live = sorted(owner)
             rids = sorted(set(owner.values()))
@@ -104,3 +109,16 @@ def test_take_all_keeps_every_row_and_marks_the_superseded() -> None:
     assert taps[:, 0].tolist() == [1.0, 2.0, 3.0] and slot_ids.tolist() == [0, 2, 1]
     assert fresh.tolist() == [False, True, True]
     assert pend.rows == 0 and len(pend) == 0
+
+
+def test_compact_drops_dead_and_superseded_rows_and_keeps_the_rest_in_order() -> None:
+    pend = PendingContext(8, 2, "cpu")
+    pend.add(torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([0, 1, 2]), torch.tensor([0, 2, 4]))
+    pend.supersede([1])  # slot 2's row 2.0 is stale
+    pend.add(torch.tensor([[4.0], [5.0]]), torch.tensor([3, 4]), torch.tensor([3, 1]))
+    pend.compact(live=[0, 1])  # block 2 (slot 4, row 3.0) is gone
+    assert pend.rows == 3 and len(pend) == 1
+    taps, _, slot_ids = pend.take(live=[0, 1])
+    assert taps[:, 0].tolist() == [1.0, 4.0, 5.0] and slot_ids.tolist() == [0, 3, 1]
+    pend.compact(live=[0])
+    assert pend.rows == 0 and pend.take(live=[0]) is None

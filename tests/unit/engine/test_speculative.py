@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark_sglang import LLM, SamplingParams
+from dspark_sglang.engine import engine as engine_mod
 from dspark_sglang.engine.sequence import Sequence
 from dspark_sglang.engine.speculative import (
     DraftBatch,
@@ -211,18 +212,31 @@ def _context_matches_recompute(spec: LLM, hf: torch.nn.Module, seq: Sequence) ->
         torch.testing.assert_close(v_cache[slots], v, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cap_rows", [None, 6])
 def test_deferred_context_of_requests_drafted_a_few_at_a_time_equals_full_recompute(
-    pair: tuple[Path, Path], tmp_path: Path
+    pair: tuple[Path, Path], tmp_path: Path, monkeypatch, cap_rows: int | None
 ) -> None:
     """Stretches of plain lagged steps, steps that draft one request of several, requests that
     finish and free their blocks for others, handoffs adopted into reused blocks: whenever the
     drafter runs on a request, that request's context is exactly a full recompute's (rows of
     finished requests and rows a handoff supersedes are dropped, the rest of the batch's rows
-    wait)."""
+    wait). With a cap of a few rows the queue is compacted, and its live rows projected, every
+    few steps."""
+    if cap_rows is not None:
+        monkeypatch.setattr(engine_mod, "_MIN_PENDING_CTX_ROWS", cap_rows)
+        monkeypatch.setattr(engine_mod, "_MAX_PENDING_CTX_BYTES", 0)
     target, drafter = pair
     spec = lagged_on_fixed_curve(pair, tmp_path, 0.0, num_blocks=20, draft_dtype="float32")
     prefill = LLM(str(target), draft_model=str(drafter), page_size=4, draft_dtype="float32")
     hf = hf_reference(target)
+    compactions = [0]
+    real_compact = spec._pending.compact
+
+    def counted(live):  # type: ignore[no-untyped-def]
+        compactions[0] += 1
+        real_compact(live)
+
+    spec._pending.compact = counted  # type: ignore[method-assign]
     n = [0]
     assert spec.planner is not None
     spec.planner.budget = lambda ids, max_len, ctx: 2 if n[0] % 4 == 3 else 0  # type: ignore
@@ -255,6 +269,7 @@ def test_deferred_context_of_requests_drafted_a_few_at_a_time_equals_full_recomp
             spec.step()
         n[0] += 1
     assert adopted == 5 and len(set(checked)) >= 6
+    assert (compactions[0] > 0) == (cap_rows is not None)
     # blocks were handed out again while rows of their last owner were still pending
     assert spec.pool.num_free_blocks == spec.pool.num_blocks
 
