@@ -269,6 +269,10 @@ class DraftConfig:
     # over their prediction relative to plain steps (0 = none; the value and its evidence are
     # algo.step_bias.DEFAULT_PRIOR's, which config may not import)
     step_bias_prior: float = 0.04
+    # lagged mode: a drafting plan that leaves a run of plain steps is charged the projection of
+    # the context rows that run queued, spread over the steps its requests have left
+    # (engine/planner.py RESUME_HORIZON)
+    resume_charge: bool = True
     # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
     # for the same batch, drafting every row, search again only every this many steps; the steps
     # between take that K, and only the one whose survival the next search reads learns

@@ -147,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
         "plain ones, shrunk away as they are (0 = the model's prices; default %(default)s)",
     )
     a(
+        "--disable-resume-charge",
+        dest="resume_charge",
+        action="store_false",
+        help="lagged mode: do not charge a drafting plan that leaves a run of plain steps for "
+        "projecting the context rows that run queued (default: charged, spread over the steps "
+        "its requests have left)",
+    )
+    a(
         "--ep-size",
         type=int,
         default=1,
@@ -295,6 +303,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             lag_shrink=args.lag_shrink,
             step_bias=args.step_bias,
             step_bias_prior=args.step_bias_prior,
+            resume_charge=args.resume_charge,
             replan_every=args.replan_every,
             draft_dtype=args.draft_dtype,
         ),

@@ -90,6 +90,7 @@ class _ReqState:
     rounds: int = 0
     accepted: int = 0
     ctx_chunks: list[torch.Tensor] = field(default_factory=list)  # C rows of a prefill-only seq
+    queued_ctx: int = 0  # its rows waiting in the drafter-context queue (the resume charge)
 
 
 # Modes that read no capacity curve get a one-entry placeholder they never index.
@@ -233,6 +234,7 @@ class LLMEngine:
             cfg.replan_every,
             cfg.step_bias,
             cfg.step_bias_prior,
+            cfg.resume_charge,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:
@@ -443,12 +445,14 @@ class LLMEngine:
         # Decoding = the prompt is in KV and the anchor is a sampled token (not a prompt tail).
         ready: list[Sequence] = []
         caps: list[int] = []
+        lefts: list[int] = []
         for s in self.scheduler.running:
             if s.num_uncached == 1 and s.output_ids:
                 cap = self._verify_cap(s)
                 if cap > 0:
                     ready.append(s)
                     caps.append(min(cap, self.gamma))
+                    lefts.append(cap + 1)
         if not ready:
             return None, {}
         assert self.planner is not None
@@ -458,6 +462,7 @@ class LLMEngine:
         ctx = sum(s.num_tokens for s in ready)
         k, whole = None, None
         if self.planner.plans_before_drafting:
+            self.planner.note_queue([self._state[i].queued_ctx for i in ids], lefts)
             k = self.planner.budget(ids, max_len, ctx)
             if k == 0 and not self.planner.should_probe():
                 # nothing will be verified: a plain decode step, without the drafter
@@ -478,6 +483,7 @@ class LLMEngine:
         # More context rows to project than one drafting step verifies (a prompt's, or skipped
         # steps'): this drafter run prices no step the planner chooses between (draft_resumed).
         flushed = self._flush_draft_context(ready)
+        self.planner.observe_flush(flushed, time.perf_counter() - t0)
         self._draft_backlog = flushed > len(ready) * (self.gamma + 1)
         batch = build_draft_batch(ready, self.runner.page_size, self.runner.device)
         temps, _, _ = sampling_tensors([s.params for s in ready], self.runner.device)
@@ -519,6 +525,10 @@ class LLMEngine:
             keep = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
             rows += range(start, start + keep)
             start += s.num_new_tokens
+            st = self._state[s.seq_id]
+            # from position 0 (a prompt, or one recomputed after preemption freed its blocks):
+            # whatever it had queued is gone with those blocks
+            st.queued_ctx = keep if s.start_pos == 0 else st.queued_ctx + keep
         if len(rows) == batch.num_tokens:  # every row verified (a step without drafts)
             self._pending.add(taps, batch.positions, batch.attn.slot_mapping)
         else:
@@ -545,6 +555,8 @@ class LLMEngine:
             or not all(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         )
         c = self._project_all(write=own)[-len(rows) :]  # this step's rows come last
+        for st in self._state.values():
+            st.queued_ctx = 0
         start = 0
         for s in plan.seqs:  # prefill-only requests keep their C rows for the handoff
             n = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
@@ -562,6 +574,8 @@ class LLMEngine:
         reused meanwhile) keeps its newest row, exactly as if each step had written its own."""
         if seqs is not None and len(seqs) == len(self.scheduler.seqs):
             seqs = None  # every request: a fast path when only one step's rows wait
+        for st in self._state.values() if seqs is None else (self._state[s.seq_id] for s in seqs):
+            st.queued_ctx = 0
         live = [b for s in self.scheduler.seqs.values() for b in s.block_table]
         wanted = None if seqs is None else [b for s in seqs for b in s.block_table]
         rows = self._pending.take(live, wanted)

@@ -121,6 +121,19 @@ FOLD_RECORDS = 16
 # against it every resume looked 2-3x dear (in-process, c = 1, a host 2x slower than the
 # profile), which held lagged drafting where plain steps were faster.
 RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
+# Leaving a plain run projects the context rows its steps queued for the requests drafted
+# (engine/draft_context.py): about one row per request per plain step, priced at the seconds per
+# row the engine's flushes measured (an EMA of RESUME_RATE over flushes of FLUSH_MIN_ROWS rows or
+# more; 0, no charge, until one was timed). A drafting plan is charged that projection spread over
+# the steps it can pay back in: the drafted requests' steps left (tokens left over the tokens a
+# drafting step makes, the prior's 1 + Σ survival), at most RESUME_HORIZON. Served, 2026-12-05
+# (s44_full, c = 64): as the batch drained lagged left a plain run of about 120 steps at R = 45-54
+# and projected ~6,000 rows, a 126-192 ms drafter run, for the 8 steps its requests had left (R
+# 44 -> 10); the 17 resumed steps at R 33-64 ran at 1,164 tok/s against plain steps' 2,118. At
+# c = 1 a 20-step plain run queues 20 rows (~0.2 ms), spread over up to RESUME_HORIZON steps: the
+# charge does not hold K at 0 where drafting pays. Pending rows and steps left are rounded to
+# powers of two, so the K memo (_k_key) sees a new charge O(log) times in a plain run.
+FLUSH_MIN_ROWS, RESUME_HORIZON = 64, 16
 # A pinned K (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose the same
 # K for the same batch (the same requests and caps, under the same capacity model), drafting
 # every row, the next replan_every - 1 steps take that K without a search and learn no
@@ -139,6 +152,28 @@ def ctx_bucket(ctx: int) -> int:
     would price a new curve and re-plan K from scratch even when nothing else changed."""
     step = 1 << max(0, int(ctx).bit_length() - 5)
     return -(-int(ctx) // step) * step
+
+
+def _resume_charged(
+    sps: np.ndarray, draft: np.ndarray | None, r: int, row_s: float
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Every drafting plan charged `row_s` seconds per drafted request (the projection leaving a
+    plain run costs, spread over its horizon): the row-priced drafter's draft[n] + n * row_s, or
+    the whole-batch table's B > R with R * row_s more seconds; the plain step as it was."""
+    if not row_s > 0.0 or sps.size <= r + 1:
+        return sps, draft
+    if draft is not None:
+        draft = np.array(draft, np.float64, copy=True)
+        draft[1:] += np.arange(1, draft.size) * row_s
+        return sps, draft
+    out = np.array(sps, np.float64, copy=True)
+    out[r + 1 :] = 1.0 / (1.0 / out[r + 1 :] + r * row_s)
+    return out, draft
+
+
+def _pow2(x: float) -> float:
+    """x rounded to a power of two (0 for x < 0.5): a coarse grid for the K memo."""
+    return 0.0 if x < 0.5 else float(2.0 ** round(math.log2(x)))
 
 
 def _conditionals(surv: np.ndarray) -> np.ndarray:
@@ -254,6 +289,7 @@ class VerifyPlanner:
         replan_every: int = 1,
         step_bias: bool = True,
         step_bias_prior: float = 0.0,
+        resume_charge: bool = False,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
@@ -304,6 +340,11 @@ class VerifyPlanner:
         self._steady_run = False  # this step's drafter run followed a drafting step
         self._plain_run = 0  # consecutive steps with K = 0 (skipped or probes)
         self._plain_len = (1.0, 0)  # average length of finished plain runs, how many (RESUME_RATE)
+        self._resume_charge = resume_charge and lagged  # FLUSH_MIN_ROWS
+        # seconds to project one queued context row (engine flushes, FLUSH_MIN_ROWS), how many
+        self.flush_row_seconds, self._flushes = 0.0, 0
+        # (mean queued rows, mean tokens left) of the batch budget() last saw (engine-reported)
+        self._queued_ctx: tuple[float, float] = (0.0, math.inf)
         # r_bin(rows) -> (average seconds of a steady drafter run of that many rows, runs)
         self._steady: dict[int, tuple[float, int]] = {}
         self._probe_next = 0  # rotation offset of the rows the next probe drafts
@@ -382,6 +423,12 @@ class VerifyPlanner:
             )
             keep = np.flatnonzero(assign_top_k(lagged, k, max_len=max_len))
         return None if keep.size == 0 or draft[keep.size] >= draft[-1] else keep
+
+    def note_queue(self, queued: list[int], left: list[int]) -> None:
+        """Before budget(): per request of its batch, the context rows waiting to be projected
+        and the tokens it has left (the resume charge, FLUSH_MIN_ROWS)."""
+        if queued and left:
+            self._queued_ctx = (sum(queued) / len(queued), sum(left) / len(left))
 
     def budget(self, ids: list[int], max_len: np.ndarray, ctx: int) -> int:
         """Lagged mode: this step's K, from survival published `lag` steps ago (no drafts yet)."""
@@ -647,6 +694,9 @@ class VerifyPlanner:
             },
             "resume_ratio": self.resume_ratio,
             "resumes": self._resumes,
+            "flush_row_seconds": self.flush_row_seconds,
+            "flushes": self._flushes,
+            "resume_charge_per_row": self._resume_row_s(),
             "probe_every": self._probe_every,
             "steps_since_draft": self._since_draft,
             "fallbacks": dict(self.fallbacks),
@@ -703,6 +753,7 @@ class VerifyPlanner:
             self._skip_charge(ids.size),
             self._rho(),
             self._bias(ids.size),
+            self._resume_row_s(),
         )
 
     def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
@@ -746,6 +797,7 @@ class VerifyPlanner:
         skip_charge: float = 0.0,
         rho: float = 1.0,
         bias: float = 0.0,
+        resume: float = 0.0,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
@@ -755,8 +807,10 @@ class VerifyPlanner:
         while priced within EXPLORE_RATIO of the best plan. `skip_charge`: seconds a K = 0 step is
         charged for the resume it causes (`_skip_charge`). `rho`: how much of a lagged row's
         departure from the average row to believe (LagShrink). `bias`: the log factor on a
-        drafting plan's seconds (StepKindBias)."""
+        drafting plan's seconds (StepKindBias). `resume`: seconds charged per drafted request for
+        projecting the context rows a plain run queued (_resume_row_s)."""
         sps, draft = _biased(sps, draft, ids.size, bias)
+        sps, draft = _resume_charged(sps, draft, ids.size, resume)
         lagged, hit = _shrunk_lagged(history, ids, self.mode.lag, prior, pool, rho)
         tps = self.min_user_tps
         absent = ~hit
@@ -874,6 +928,29 @@ class VerifyPlanner:
             return
         excess = min(max(seconds / steady - 1.0, 0.0), RESUME_MAX)
         self.resume_ratio, self._resumes = _fold(self.resume_ratio, self._resumes, excess)
+
+    def observe_flush(self, rows: int, seconds: float) -> None:
+        """The engine projected `rows` queued context rows in `seconds` (a drafter run's flush):
+        folds the seconds per row in, from FLUSH_MIN_ROWS rows up (below, fixed costs rule)."""
+        if rows >= FLUSH_MIN_ROWS and seconds > 0.0 and math.isfinite(seconds):
+            self.flush_row_seconds, self._flushes = _fold(
+                self.flush_row_seconds, self._flushes, seconds / rows
+            )
+
+    def _resume_row_s(self) -> float:
+        """Seconds a drafting plan is charged per drafted request for the context rows queued
+        beyond one drafting step's (a plain run's backlog: the projection leaving it costs),
+        spread over the steps the batch has left to pay it back (at most RESUME_HORIZON); on a
+        grid of powers of two, so the K memo survives the backlog growing a row a step."""
+        rows, left = self._queued_ctx
+        if not (self._resume_charge and self.flush_row_seconds > 0.0) or rows <= 0.0:
+            return 0.0
+        per_step = 1.0 + float(self.prior.survival.sum())  # tokens a drafting step makes
+        backlog = _pow2(rows - per_step)
+        if backlog <= 0.0:
+            return 0.0
+        horizon = min(max(_pow2(left / per_step), 1.0), float(RESUME_HORIZON))
+        return _pow2(backlog * self.flush_row_seconds / horizon * 1e6) * 1e-6
 
     def _bias(self, r: int) -> float:
         """StepKindBias's log factor at R, in steps of 1/128 (a K memo survives small moves)."""

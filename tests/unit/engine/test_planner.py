@@ -656,6 +656,69 @@ def test_a_skip_in_a_drafting_run_is_charged_the_resume_it_causes(selective: boo
     assert k_of(dear, 0.5, False) == 0
 
 
+@pytest.mark.parametrize("selective", [True, False])
+def test_leaving_a_plain_run_is_charged_its_queued_context_over_the_steps_left(
+    selective: bool,
+) -> None:
+    """A drafter priced under break-even drafts, unless the plain run queued context rows whose
+    projection its requests have too few steps left to pay back (FLUSH_MIN_ROWS): then K = 0.
+    The same backlog with many steps left, one too short to matter, no flush timed yet, or the
+    charge turned off: it drafts."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    table, ids, max_len, logits, even = _break_even_drafter()
+    mode = parse_schedule_mode("lagged")
+
+    def k_of(queued: int, left: int, row_s: float = 20e-6, charge: bool = True) -> int:
+        cap = CapacityModel(table, draft=Curve((1.0, 64.0), (0.9 * even, 0.9 * even)))
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, selective, resume_charge=charge)
+        p.plan(ids, logits, max_len, 10, 0)
+        p.plan(ids, logits, max_len, 10, 0)
+        if row_s:
+            p.observe_flush(1000, 1000 * row_s)
+        p.note_queue([queued], [left])
+        return p.budget(ids, max_len, 10)
+
+    # a drafter at 0.9 of break-even (28 ms) leaves 2.8 ms a step; 256 rows x 20 us = 5.1 ms
+    assert k_of(256, 2) == 0  # one step left to pay it back
+    assert k_of(256, 512) == 4  # RESUME_HORIZON steps: 0.3 ms a step
+    assert k_of(2, 2) == 4  # one drafting step's rows: no backlog
+    assert k_of(256, 2, row_s=0.0) == 4  # nothing timed: nothing charged
+    assert k_of(256, 2, charge=False) == 4
+
+
+def test_the_resume_charge_follows_backlog_horizon_and_flushes_on_a_coarse_grid() -> None:
+    """_resume_row_s = backlog rows beyond one drafting step's x seconds per row / steps left
+    (at most RESUME_HORIZON), on powers of two; flushes under FLUSH_MIN_ROWS teach nothing."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import FLUSH_MIN_ROWS, RESUME_HORIZON, VerifyPlanner
+
+    cap = CapacityModel(TableModel((1, 64), (0.01, 0.02)))
+    p = VerifyPlanner(
+        parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, True, resume_charge=True
+    )
+    p.note_queue([130, 130], [1000, 1000])
+    assert p._resume_row_s() == 0.0  # no flush timed yet
+    p.observe_flush(FLUSH_MIN_ROWS - 1, 1.0)
+    assert p.flush_row_seconds == 0.0
+    p.observe_flush(1000, 0.016)  # 16 us a row
+    assert p.flush_row_seconds == pytest.approx(16e-6)
+    per_step = 1.0 + float(p.prior.survival.sum())  # 1 + 4 x 0.5-ish survival
+    backlog = 2.0 ** round(np.log2(130 - per_step))  # 128
+    long = p._resume_row_s()
+    assert long == pytest.approx(2.0 ** round(np.log2(backlog * 16 / RESUME_HORIZON)) * 1e-6)
+    p.note_queue([130, 130], [2, 2])  # about one step left
+    assert p._resume_row_s() == pytest.approx(2.0 ** round(np.log2(backlog * 16)) * 1e-6)
+    p.note_queue([131, 129], [1000, 1000])  # the backlog grew a row: the same charge
+    assert p._resume_row_s() == long
+    p.note_queue([2, 2], [1000, 1000])  # fewer rows than a drafting step makes
+    assert p._resume_row_s() == 0.0
+    assert p.state()["flush_row_seconds"] == pytest.approx(16e-6)
+
+
 def test_the_skip_charge_is_spread_over_the_average_plain_run() -> None:
     """One resume per plain run: a K = 0 step in a drafting run is charged the resume over the
     average length of the plain runs that ended so far (probes count as plain steps)."""

@@ -268,6 +268,13 @@ def test_deferred_context_of_requests_drafted_a_few_at_a_time_equals_full_recomp
         if spec.has_unfinished():
             spec.step()
         n[0] += 1
+        # what each request has queued (the resume charge) is what the queue holds for it
+        live = [b for s in spec.scheduler.seqs.values() for b in s.block_table]
+        real_compact(live)
+        queued = {sid: st.queued_ctx for sid, st in spec._state.items()}
+        # (a preempted request holds no blocks: its rows went with them, and it starts over)
+        holding = [sid for sid, q in spec.scheduler.seqs.items() if q.block_table]
+        assert spec._pending.rows == sum(queued[sid] for sid in holding)
     assert adopted == 5 and len(set(checked)) >= 6
     assert (compactions[0] > 0) == (cap_rows is not None)
     # blocks were handed out again while rows of their last owner were still pending

@@ -78,6 +78,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.draft.step_bias  # lagged corrects the model's drafting-over-plain error
     plain = build_parser().parse_args(["--model-path", str(model), "--disable-step-bias"])
     assert not config_from_args(plain).draft.step_bias
+    assert cfg.draft.resume_charge  # leaving a plain run pays for the context it queued
+    free = build_parser().parse_args(["--model-path", str(model), "--disable-resume-charge"])
+    assert not config_from_args(free).draft.resume_charge
     assert cfg.model.cpu_malloc_keep_mib == 256  # a CPU engine keeps freed heap for reuse
     kept = build_parser().parse_args(["--model-path", str(model), "--cpu-malloc-keep-mib", "0"])
     assert config_from_args(kept).model.cpu_malloc_keep_mib == 0
