@@ -126,14 +126,16 @@ RESUME_RATE, RESUME_MAX, RESUME_MIN_STEADY = 0.1, 2.0, 4
 # row the engine's flushes measured (an EMA of RESUME_RATE over flushes of FLUSH_MIN_ROWS rows or
 # more; 0, no charge, until one was timed). A drafting plan is charged that projection spread over
 # the steps it can pay back in: the drafted requests' steps left (tokens left over the tokens a
-# drafting step makes, the prior's 1 + Σ survival), at most RESUME_HORIZON. Served, 2026-12-05
+# drafting step makes, the prior's 1 + Σ survival), at most RESUME_HORIZON: a cap of 16 steps
+# (s45_resume, six passes) cost 2 % at c = 8, where plain runs then ran longer between steps
+# that drafting paid for, and the cap only matters away from the batch's end. Served, 2026-12-05
 # (s44_full, c = 64): as the batch drained lagged left a plain run of about 120 steps at R = 45-54
 # and projected ~6,000 rows, a 126-192 ms drafter run, for the 8 steps its requests had left (R
 # 44 -> 10); the 17 resumed steps at R 33-64 ran at 1,164 tok/s against plain steps' 2,118. At
 # c = 1 a 20-step plain run queues 20 rows (~0.2 ms), spread over up to RESUME_HORIZON steps: the
 # charge does not hold K at 0 where drafting pays. Pending rows and steps left are rounded to
 # powers of two, so the K memo (_k_key) sees a new charge O(log) times in a plain run.
-FLUSH_MIN_ROWS, RESUME_HORIZON = 64, 16
+FLUSH_MIN_ROWS, RESUME_HORIZON = 64, 64
 # A pinned K (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose the same
 # K for the same batch (the same requests and caps, under the same capacity model), drafting
 # every row, the next replan_every - 1 steps take that K without a search and learn no

@@ -683,7 +683,7 @@ def test_leaving_a_plain_run_is_charged_its_queued_context_over_the_steps_left(
 
     # a drafter at 0.9 of break-even (28 ms) leaves 2.8 ms a step; 256 rows x 20 us = 5.1 ms
     assert k_of(256, 2) == 0  # one step left to pay it back
-    assert k_of(256, 512) == 4  # RESUME_HORIZON steps: 0.3 ms a step
+    assert k_of(256, 512) == 4  # RESUME_HORIZON steps: 0.08 ms a step
     assert k_of(2, 2) == 4  # one drafting step's rows: no backlog
     assert k_of(256, 2, row_s=0.0) == 4  # nothing timed: nothing charged
     assert k_of(256, 2, charge=False) == 4
