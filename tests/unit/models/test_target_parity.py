@@ -138,17 +138,26 @@ def test_grouped_attention_matches_full_recompute(hf_model_dir: Path, monkeypatc
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
+def _prefilled(
+    path: Path, seed: int, lens: tuple[int, ...]
+) -> tuple[torch.nn.Module, Driver, torch.Generator, list[int], dict[int, list[int]]]:
+    """The HF reference, a driver whose requests prefilled random prompts of these lengths, the
+    generator, the request ids and their token histories."""
+    hf = hf_reference(path)
+    d = Driver(path, page_size=4, num_blocks=160)
+    g = torch.Generator().manual_seed(seed)
+    ids = [d.new() for _ in lens]
+    hist = dict(zip(ids, [rand_tokens(g, n) for n in lens], strict=True))
+    d.run([(s, t) for s, t in hist.items()])
+    return hf, d, g, ids, hist
+
+
 def test_decode_rows_folded_per_kv_head_match_full_recompute(
     hf_model_dir: Path, monkeypatch
 ) -> None:
     """Decode-only groups run their query heads as rows of the KV head they share (no K/V
     expansion): one group of all rows, then several of very different contexts, row for row."""
-    hf = hf_reference(hf_model_dir)
-    d = Driver(hf_model_dir, page_size=4, num_blocks=160)
-    g = torch.Generator().manual_seed(7)
-    ids = [d.new() for _ in range(6)]
-    hist = dict(zip(ids, [rand_tokens(g, n) for n in (5, 7, 6, 90, 30, 12)], strict=True))
-    d.run([(s, t) for s, t in hist.items()])
+    hf, d, g, ids, hist = _prefilled(hf_model_dir, 7, (5, 7, 6, 90, 30, 12))
     for floor in (attention.MIN_GROUP_CELLS, 0):  # merged into one group, then split
         monkeypatch.setattr(attention, "MIN_GROUP_CELLS", floor)
         new = {s: rand_tokens(g, 1) for s in ids}
@@ -166,12 +175,7 @@ def test_verify_rows_grouped_by_query_count_match_full_recompute(
     """A ragged verify (equal contexts, 1 to 8 new tokens a row) runs one padded group per query
     class (VERIFY_Q_RATIO; the merge floor lifted); logits still match, row for row."""
     monkeypatch.setattr(attention, "MIN_GROUP_CELLS", 0)
-    hf = hf_reference(hf_model_dir)
-    d = Driver(hf_model_dir, page_size=4, num_blocks=160)
-    g = torch.Generator().manual_seed(6)
-    ids = [d.new() for _ in range(6)]
-    hist = dict(zip(ids, [rand_tokens(g, n) for n in (30, 28, 31, 29, 30, 27)], strict=True))
-    d.run([(s, t) for s, t in hist.items()])
+    hf, d, g, ids, hist = _prefilled(hf_model_dir, 6, (30, 28, 31, 29, 30, 27))
     new = dict(zip(ids, [rand_tokens(g, n) for n in (8, 1, 5, 2, 7, 3)], strict=True))
     batch_groups = []
     real = attention.ragged_metadata
