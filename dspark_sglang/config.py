@@ -273,6 +273,10 @@ class DraftConfig:
     # the context rows that run queued, spread over the steps its requests have left
     # (engine/planner.py RESUME_HORIZON)
     resume_charge: bool = True
+    # live capacity: pseudo-records holding the drafter's price at each R at the start-up
+    # profile's while drafting steps there are few (algo.capacity_fit.EstimatorConfig; the
+    # profile times the drafter alone, a drafting step adds its bookkeeping: docs/capacity.md)
+    draft_price_prior_weight: float = 2.0
     # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
     # for the same batch, drafting every row, search again only every this many steps; the steps
     # between take that K, and only the one whose survival the next search reads learns
@@ -295,6 +299,13 @@ class DraftConfig:
             )
         if self.min_user_tps < 0:
             raise ConfigError("--min-user-tps must be >= 0")
+        if not (
+            math.isfinite(self.draft_price_prior_weight) and self.draft_price_prior_weight >= 0
+        ):
+            raise ConfigError(
+                "--draft-price-prior-weight must be a finite number >= 0, "
+                f"got {self.draft_price_prior_weight}"
+            )
         if not 0.0 <= self.explore_ratio <= 1.0:
             raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
         if not (math.isfinite(self.step_bias_prior) and -0.5 < self.step_bias_prior < 1.0):

@@ -147,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
         "plain ones, shrunk away as they are (0 = the model's prices; default %(default)s)",
     )
     a(
+        "--draft-price-prior-weight",
+        type=float,
+        default=dc.draft_price_prior_weight,
+        metavar="RECORDS",
+        help="live capacity: how many drafting steps' worth of weight the start-up profile's "
+        "drafter price keeps at each batch size against the drafting steps measured there "
+        "(default %(default)s)",
+    )
+    a(
         "--disable-resume-charge",
         dest="resume_charge",
         action="store_false",
@@ -304,6 +313,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             step_bias=args.step_bias,
             step_bias_prior=args.step_bias_prior,
             resume_charge=args.resume_charge,
+            draft_price_prior_weight=args.draft_price_prior_weight,
             replan_every=args.replan_every,
             draft_dtype=args.draft_dtype,
         ),

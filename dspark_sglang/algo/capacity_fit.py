@@ -271,6 +271,16 @@ def _from_prior(
     return lambda r: min(float(prior(r)) * level, *(a + b * float(prior(r)) for a, b in lines))
 
 
+# Pseudo-records holding the drafter's price at each R at the prior's (shrunk toward what the R
+# seen say of it, `_from_prior`). The start-up profile times the drafter alone, and a drafting
+# step adds its bookkeeping, so the prior sits low wherever it is read: in-process, c = 64, it
+# priced R = 64 at 25.9 ms where drafting steps added 34-38, and at 8 pseudo-records (the
+# forward's weight) four steps moved the price to 30 ms while the planner drafted on at a loss
+# (drafting steps at R >= 33 ran 1.27-1.83x their predicted seconds over five runs); at 1 it
+# stopped after five steps (docs/capacity.md "The drafter's price").
+DRAFT_PRIOR_WEIGHT = 2.0
+
+
 @dataclass(frozen=True, slots=True)
 class EstimatorConfig:
     publish_every: int = 32  # accepted records between published versions
@@ -284,6 +294,7 @@ class EstimatorConfig:
     # and the profile's, and moves slowly; what moves fast is the host, the level
     shape_rate: float = 0.005
     prior_weight: float = 8.0  # pseudo-records holding the level and each bucket at the prior
+    draft_prior_weight: float = DRAFT_PRIOR_WEIGHT  # the same for the draft term at each R
     min_sigma: float = 0.02  # noise floor on log step time (a deterministic clock has MAD 0)
     popularity_rate: float = 0.02  # EWMA rate of the expert histogram
     popularity_tol: float = 0.05  # L1 change that republishes the popularity
@@ -419,8 +430,10 @@ class LiveEstimator:
             self._cusum, self._run = [0.0, 0.0], [0, 0]
             self.drift_events += 1
             return self._publish()
+        news = False
         if abs(d) <= cfg.reject_z * sigma:
             if drafted:  # an outlier's drafting time is the stall's, not the drafter's
+                news = not untimed and self.drafts_timed(draft_r) < CAP_MIN_RECORDS
                 self._observe_draft(draft_r, dsec, untimed)
             self._g += max(cfg.rate, 1.0 / (self._n_g + 1.0 + cfg.prior_weight)) * (e - u - self._g)
             self._n_g += 1.0
@@ -442,7 +455,10 @@ class LiveEstimator:
         else:
             self.num_rejected += 1
         self._since += 1
-        return self._publish() if self._since >= cfg.publish_every else None
+        # The first drafting steps timed at an R bin are the evidence its price waits on (the
+        # planner drafts there to learn it, EXPLORE_RATIO): published at once, not up to
+        # publish_every records later, while the drafting they price is still being chosen.
+        return self._publish() if news or self._since >= cfg.publish_every else None
 
     def _observe_draft(self, num_reqs: int, seconds: float, skip: bool = False) -> None:
         """Whatever slows the forward (a CPU hog, a throttled GPU) slows the drafter and the host
@@ -492,7 +508,10 @@ class LiveEstimator:
     def _draft_curve(self) -> Curve | None:
         return self._at_level(
             self._draft,
-            _cap_above_seen(self._draft, self._ewma_curve(self._draft, self._base.draft)),
+            _cap_above_seen(
+                self._draft,
+                self._ewma_curve(self._draft, self._base.draft, self.cfg.draft_prior_weight),
+            ),
         )
 
     def _host_curve(self) -> Curve | None:
@@ -502,7 +521,9 @@ class LiveEstimator:
         at R = 63 at 36-91 ms (served, c = 64, 2026-12-02; a plain step there has 11 ms of host
         work), every step at that load 25-55 % dear. Held flat past the largest R seen instead:
         under-priced by the host's growth until plain steps at that R teach it."""
-        curve = self._at_level(self._host, self._ewma_curve(self._host, self._base.host))
+        curve = self._at_level(
+            self._host, self._ewma_curve(self._host, self._base.host, self.cfg.prior_weight)
+        )
         if self._base.host is None and curve is not None and len(curve.knots) > 1:
             last = curve.knots[-1]
             curve = Curve((*curve.knots, last + 1.0), (*curve.values, curve.values[-1]))
@@ -516,7 +537,7 @@ class LiveEstimator:
         return Curve(curve.knots, tuple(v * f for v in curve.values))
 
     def _ewma_curve(
-        self, table: dict[int, tuple[float, float]], prior: Curve | None
+        self, table: dict[int, tuple[float, float]], prior: Curve | None, w0: float
     ) -> Curve | None:
         """Seconds vs R from per-R EWMAs, a sparse R shrunk toward what the R seen say of the
         prior's curve there (`_from_prior`). The prior's shape carries to an R not seen yet, its
@@ -527,7 +548,6 @@ class LiveEstimator:
         caught up."""
         if not table:
             return prior
-        w0 = self.cfg.prior_weight
         reqs = sorted(set(table) | set(int(k) for k in (prior.knots if prior else ())))
         at = _from_prior(table, prior, w0)
         vals, wts = [], []

@@ -235,6 +235,7 @@ class LLMEngine:
             cfg.step_bias,
             cfg.step_bias_prior,
             cfg.resume_charge,
+            cfg.draft_price_prior_weight,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

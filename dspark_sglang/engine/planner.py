@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark_sglang.algo.capacity import CapacityModel
-from dspark_sglang.algo.capacity_fit import CAP_MIN_RECORDS, LiveEstimator, r_bin
+from dspark_sglang.algo.capacity_fit import (
+    CAP_MIN_RECORDS,
+    DRAFT_PRIOR_WEIGHT,
+    EstimatorConfig,
+    LiveEstimator,
+    r_bin,
+)
 from dspark_sglang.algo.step_bias import StepKindBias
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
@@ -292,6 +298,7 @@ class VerifyPlanner:
         step_bias: bool = True,
         step_bias_prior: float = 0.0,
         resume_charge: bool = False,
+        draft_price_prior_weight: float = DRAFT_PRIOR_WEIGHT,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
@@ -299,7 +306,11 @@ class VerifyPlanner:
         self.explore_ratio = explore_ratio
         self._explore_memo: tuple[tuple[int, int], bool] = ((-1, -1), False)
         self.capacity = capacity
-        self.estimator = LiveEstimator(capacity) if capacity is not None and live else None
+        self.estimator = (
+            LiveEstimator(capacity, EstimatorConfig(draft_prior_weight=draft_price_prior_weight))
+            if capacity is not None and live
+            else None
+        )
         self.fold = FOLD_RECORDS
         self._queued: list[StepRecord] = []  # step records not fed to the estimator yet
         self.min_user_tps = min_user_tps
