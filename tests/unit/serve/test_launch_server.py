@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_sglang.algo.capacity_fit import DRAFT_PRIOR_WEIGHT
 from dspark_sglang.algo.step_bias import DEFAULT_PRIOR
 from dspark_sglang.config import ConfigError
 from dspark_sglang.launch_server import build_parser, config_from_args, main
@@ -93,6 +94,15 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     for bad in ("1", "-0.5", "nan"):
         wild = build_parser().parse_args(["--model-path", str(model), "--step-bias-prior", bad])
         with pytest.raises(ConfigError, match="--step-bias-prior"):
+            config_from_args(wild)
+    assert cfg.draft.draft_price_prior_weight == DRAFT_PRIOR_WEIGHT == 2.0
+    heavy = ["--model-path", str(model), "--draft-price-prior-weight", "8"]
+    assert config_from_args(build_parser().parse_args(heavy)).draft.draft_price_prior_weight == 8
+    for bad in ("-1", "nan", "inf"):
+        wild = build_parser().parse_args(
+            ["--model-path", str(model), "--draft-price-prior-weight", bad]
+        )
+        with pytest.raises(ConfigError, match="--draft-price-prior-weight"):
             config_from_args(wild)
     assert cfg.draft.replan_every == 8  # a pinned lagged K is searched again every 8 steps
     every = build_parser().parse_args(["--model-path", str(model), "--lagged-replan-every", "1"])
