@@ -152,6 +152,15 @@ def _median(xs: Iterable[float]) -> float:
 
 
 HOST_SPIKE = 4.0  # a plain step's host seconds count at most this multiple of the running mean
+# A drafting step timed while its R has fewer than 8 records counts at most this multiple of the
+# larger of its R's mean so far and the prior's price there (the running mean is too young to
+# clip by). Served, 2026-12-05 (s46, c = 1): the second drafting record at R = 1 took 106.6 ms (a
+# host stall the forward missed: 6.7 ms, no outlier), the prior priced 2.8 ms, drafting added
+# 4-5; published at once, the price read 33 ms, the planner chose K = 0, and the retimes that
+# followed (3.4-3.7 ms) brought it to 24 ms over 300 steps: the pass ran at 0.89 of the
+# same policy priced at 8 pseudo-records. Twice the prior still lets every drafting record seen
+# in-process through (1.3-1.8x the drafter-only prior).
+EARLY_SPIKE = 2.0
 
 
 # The live scale's buckets of executed B where the engine runs exactly B tokens (`live_grid`):
@@ -470,9 +479,15 @@ class LiveEstimator:
         if skip:  # a probe's few rows, or a resumed drafter: no step's price (StepRecord)
             return
         seconds *= math.exp(-self._g)
-        mean, n = self._draft.get(num_reqs, (seconds, 0.0))
+        mean, n = self._draft.get(num_reqs, (0.0, 0.0))
         if n >= 8:  # a spike rides on one step (HOST_SPIKE), not on the price
             seconds = min(seconds, HOST_SPIKE * mean)
+        else:
+            prior = float(self._base.draft_seconds(num_reqs)) if self._base.draft else 0.0
+            if max(mean, prior) > 0.0:
+                seconds = min(seconds, EARLY_SPIKE * max(mean, prior))
+            if n == 0.0:
+                mean = seconds
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)
         self.drafts_observed += 1

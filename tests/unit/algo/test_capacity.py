@@ -1074,3 +1074,33 @@ def test_a_new_r_bins_first_drafting_steps_publish_at_once_and_outweigh_a_low_pr
     assert prices[2.0] == pytest.approx(1.0, abs=0.06)
     assert prices[8.0] < 0.9
     assert EstimatorConfig().draft_prior_weight == 2.0
+
+
+def test_a_stalled_early_drafting_step_counts_at_most_twice_the_prior() -> None:
+    """Served at c = 1: the second drafting step at R = 1 stalled to 24x its drafter (the forward
+    did not, so no outlier), and published at once it priced drafting at 30 ms for hundreds of
+    steps. An R with fewer than 8 records clips a record at EARLY_SPIKE x the larger of its mean
+    and the prior's price: the price stays within 1.6x of the truth, and a record within 2x of
+    the prior passes whole."""
+    truth = 0.0045
+    prior = replace(TRUTH, draft=Curve((1.0, 64.0), (0.0028, 0.026)))
+    r, c = 1, 800
+    plain_fwd, fwd = TRUTH.predict(r, 1, c), TRUTH.predict(r, 8, c)
+
+    def engine(drafted: tuple[float, ...]) -> LiveEstimator:
+        est = LiveEstimator(prior)
+        for t in range(10):  # plain steps teach the host: 1 ms
+            est.observe(StepRecord(t, r, 1, 0, r, c, plain_fwd + 0.001, forward_seconds=plain_fwd))
+        for t, extra in enumerate(drafted):
+            y = fwd + 0.001 + extra
+            est.observe(
+                StepRecord(10 + t, r, 8, 0, r, c, y, draft_seconds=extra / 2, forward_seconds=fwd)
+            )
+        return est
+
+    stalled = engine((truth, 0.1066, truth, truth))
+    assert stalled._draft[r][1] == 4
+    assert float(stalled.model.draft_seconds(r)) < 1.6 * truth
+    honest = engine((0.005,) * 4)  # 1.8x the prior: taken as measured
+    assert float(honest.model.draft_seconds(r)) == pytest.approx(0.005, rel=0.1)
+    assert honest._draft[r][0] == pytest.approx(0.005, rel=0.02)
