@@ -276,7 +276,7 @@ class DraftConfig:
     # live capacity: pseudo-records holding the drafter's price at each R at the start-up
     # profile's while drafting steps there are few (algo.capacity_fit.EstimatorConfig; the
     # profile times the drafter alone, a drafting step adds its bookkeeping: docs/capacity.md)
-    draft_price_prior_weight: float = 2.0
+    draft_price_prior_weight: float = 8.0
     # lagged mode, K planned inline (overlap off): once two K searches in a row chose the same K
     # for the same batch, drafting every row, search again only every this many steps; the steps
     # between take that K, and only the one whose survival the next search reads learns

@@ -283,11 +283,13 @@ def _from_prior(
 # Pseudo-records holding the drafter's price at each R at the prior's (shrunk toward what the R
 # seen say of it, `_from_prior`). The start-up profile times the drafter alone, and a drafting
 # step adds its bookkeeping, so the prior sits low wherever it is read: in-process, c = 64, it
-# priced R = 64 at 25.9 ms where drafting steps added 34-38, and at 8 pseudo-records (the
-# forward's weight) four steps moved the price to 30 ms while the planner drafted on at a loss
-# (drafting steps at R >= 33 ran 1.27-1.83x their predicted seconds over five runs); at 1 it
-# stopped after five steps (docs/capacity.md "The drafter's price").
-DRAFT_PRIOR_WEIGHT = 2.0
+# priced R = 64 at 25.9 ms where drafting steps added 34-38, and four steps at this weight moved
+# the price to 30 ms (at 1, the run stopped drafting at R = 64 after five steps). Served A/B
+# against 2 (s46_price, six passes, 8 over 2, geometric mean of per-pass tok/s ratios, 90 % t):
+# c = 1 0.986 [0.973, 0.999], c = 16 1.016 [0.990, 1.043], c = 32 1.025 [1.021, 1.029], c = 64
+# 1.003 [0.963, 1.045]: no better overall, so the forward's weight stays (docs/capacity.md "The
+# drafter's price").
+DRAFT_PRIOR_WEIGHT = 8.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1040,12 +1040,13 @@ def test_drafting_records_count_by_r_bin() -> None:
     assert est.drafts_timed(65) == 0  # r_bin 72: above every timed R
 
 
-def test_a_new_r_bins_first_drafting_steps_publish_at_once_and_outweigh_a_low_prior() -> None:
+def test_a_new_r_bins_first_drafting_steps_publish_at_once_weighed_against_the_prior() -> None:
     """The start-up profile prices the drafter at R = 64 at 0.7x what drafting adds there (it
     times the drafter alone). Plain steps teach the host; then the first CAP_MIN_RECORDS drafting
-    steps at R = 64 each publish a model at once (not publish_every records later), and after
-    them the price is within 6 % of the truth; at 8 pseudo-records of prior it was 14 % low. A
-    fifth drafting step there is no longer news and waits for the next regular publish."""
+    steps at R = 64 each publish a model at once (not publish_every records later). After them
+    the price is within 6 % of the truth at 2 pseudo-records of prior, and still over 10 % low
+    at the default 8. A fifth drafting step there is no longer news and waits for the next
+    regular publish."""
 
     def extra(r: int) -> float:
         return 0.004 + 0.0006 * r
@@ -1073,7 +1074,7 @@ def test_a_new_r_bins_first_drafting_steps_publish_at_once_and_outweigh_a_low_pr
         assert step(est, 20, True) is None
     assert prices[2.0] == pytest.approx(1.0, abs=0.06)
     assert prices[8.0] < 0.9
-    assert EstimatorConfig().draft_prior_weight == 2.0
+    assert EstimatorConfig().draft_prior_weight == 8.0  # the forward's (served A/B: s46_price)
 
 
 def test_a_stalled_early_drafting_step_counts_at_most_twice_the_prior() -> None:
@@ -1099,8 +1100,8 @@ def test_a_stalled_early_drafting_step_counts_at_most_twice_the_prior() -> None:
         return est
 
     stalled = engine((truth, 0.1066, truth, truth))
-    assert stalled._draft[r][1] == 4
+    mean, n = stalled._draft[r]
+    assert n == 4 and mean < 1.6 * truth
     assert float(stalled.model.draft_seconds(r)) < 1.6 * truth
     honest = engine((0.005,) * 4)  # 1.8x the prior: taken as measured
-    assert float(honest.model.draft_seconds(r)) == pytest.approx(0.005, rel=0.1)
     assert honest._draft[r][0] == pytest.approx(0.005, rel=0.02)

@@ -95,9 +95,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
         wild = build_parser().parse_args(["--model-path", str(model), "--step-bias-prior", bad])
         with pytest.raises(ConfigError, match="--step-bias-prior"):
             config_from_args(wild)
-    assert cfg.draft.draft_price_prior_weight == DRAFT_PRIOR_WEIGHT == 2.0
-    heavy = ["--model-path", str(model), "--draft-price-prior-weight", "8"]
-    assert config_from_args(build_parser().parse_args(heavy)).draft.draft_price_prior_weight == 8
+    assert cfg.draft.draft_price_prior_weight == DRAFT_PRIOR_WEIGHT == 8.0
+    light = ["--model-path", str(model), "--draft-price-prior-weight", "2"]
+    assert config_from_args(build_parser().parse_args(light)).draft.draft_price_prior_weight == 2
     for bad in ("-1", "nan", "inf"):
         wild = build_parser().parse_args(
             ["--model-path", str(model), "--draft-price-prior-weight", bad]
