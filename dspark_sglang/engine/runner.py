@@ -23,6 +23,7 @@ from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
 from dspark_sglang.models.moe import ExpertParallel
 from dspark_sglang.models.row_buckets import bucket_linears
+from dspark_sglang.models.weight_layout import column_major_weights
 
 
 @dataclass
@@ -92,6 +93,8 @@ class ModelRunner:
             if self.drafter is not None:
                 packed += pack_model(self.drafter, max_rows)
             warm_up(packed)
+        elif self.device.startswith("cpu"):  # MKL: fp32 products read column-major weights
+            column_major_weights(self.model, *([self.drafter] if self.drafter is not None else []))
         limit = model_cfg.max_model_len or self.arch.max_position_embeddings
         if limit > self.arch.max_position_embeddings:
             raise ConfigError(

@@ -181,3 +181,29 @@ def test_the_planner_prices_the_tier_the_runner_executes(
         assert len(set(at[:4])) == 1 and len(set(at[4:])) == 1
     else:
         assert llm.runner.row_tiers == (() if gemm == "mkl" else row_tiers(64))
+
+
+def test_mkl_products_read_column_major_weights_and_stay_lossless(pair: tuple[Path, Path]) -> None:
+    """--cpu-gemm mkl: the target's and the drafter's fp32 linears, router and experts are laid
+    out column-major (models/weight_layout.py), the tied LM head is one copy the drafter still
+    aliases, the embeddings keep their rows, and greedy speculative output equals plain
+    decoding; onednn packs instead and keeps the checkpoint's layout."""
+    target, drafter = pair
+    ps = [[(5 * i + j) % VOCAB for j in range(3 + i)] for i in range(6)]
+    base = LLM(str(target), num_blocks=128, page_size=4, cpu_gemm="mkl").generate(ps, GREEDY)
+    spec = LLM(str(target), draft_model=str(drafter), num_blocks=128, page_size=4, cpu_gemm="mkl")
+    t, d = spec.runner.model, spec.runner.drafter
+    assert d is not None
+    linears = [
+        m.weight for root in (t, d) for m in root.modules() if isinstance(m, torch.nn.Linear)
+    ]
+    experts = [p for n, p in t.named_parameters() if "experts" in n]
+    assert experts and all(w.transpose(-1, -2).is_contiguous() for w in linears + experts)
+    assert all(not w.is_contiguous() for w in linears if min(w.shape) > 1)
+    assert t.model.embed_tokens.weight.is_contiguous() and d.embed_tokens.weight.is_contiguous()
+    assert d.lm_head.weight is t.lm_head.weight is not t.model.embed_tokens.weight
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert spec.stats.rounds > 0
+    packed = LLM(str(target), num_blocks=16, page_size=4, cpu_gemm="onednn")
+    assert packed.runner.model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
