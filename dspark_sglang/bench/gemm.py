@@ -1,8 +1,10 @@
 """`python -m dspark_sglang.bench.gemm`: fp32 products through MKL and through packed oneDNN.
 
 Times `[M, K] x [K, N]` for the weight shapes of the bundled target and drafter (or `--shapes`)
-at several row counts M, both ways, on one thread by default, and prints the median of each
-and their ratio, with the row count from which `--cpu-gemm onednn` sends a product to oneDNN
+at several row counts M three ways, on one thread by default: MKL on the checkpoint's row-major
+[N, K] weight, MKL on the same weight stored column-major (what `--cpu-gemm mkl` runs:
+models/weight_layout.py), and packed oneDNN. It prints the medians and the ratios, with the row
+count from which `--cpu-gemm onednn` sends a product to oneDNN
 (models/cpu_gemm.crossover_rows). Run it to decide `--cpu-gemm` on a CPU the auto rule does not
 know (auto = oneDNN on AMD CPUs). `--cold` cycles through enough copies of each weight to
 overflow the last-level cache, as a model larger than it does.
@@ -41,6 +43,7 @@ def measure(k: int, n: int, m: int, repeats: int, cold: bool) -> dict[str, float
     copies = max(1, (64 << 20) // (4 * k * n)) if cold else 1
     gen = torch.Generator().manual_seed(k * n)
     ws = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(copies)]
+    cols = [w.t().contiguous().t() for w in ws]  # the same [N, K] values, column-major
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
     x = torch.randn(m, k, generator=gen)
     i = [0]
@@ -49,12 +52,26 @@ def measure(k: int, n: int, m: int, repeats: int, cold: bool) -> dict[str, float
         i[0] = (i[0] + 1) % copies
         return F.linear(x, ws[i[0]])
 
+    def mkl_col() -> object:
+        i[0] = (i[0] + 1) % copies
+        return F.linear(x, cols[i[0]])
+
     def onednn() -> object:
         i[0] = (i[0] + 1) % copies
         return torch.ops.mkldnn._linear_pointwise(x, packed[i[0]], None, "none", [], "")
 
-    a, b = _median_us(mkl, repeats), _median_us(onednn, repeats)
-    return {"k": k, "n": n, "rows": m, "mkl_us": a, "onednn_us": b, "speedup": a / b}
+    a, c, b = _median_us(mkl, repeats), _median_us(mkl_col, repeats), _median_us(onednn, repeats)
+    return {
+        "k": k,
+        "n": n,
+        "rows": m,
+        "mkl_us": a,
+        "mkl_col_us": c,
+        "onednn_us": b,
+        "speedup": a / b,  # oneDNN over row-major MKL
+        "col_speedup": a / c,  # column-major over row-major MKL
+        "onednn_over_col": c / b,  # oneDNN over what --cpu-gemm mkl runs
+    }
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -68,7 +85,11 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_sglang.bench.gemm", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m dspark_sglang.bench.gemm",
+        description=__doc__,
+        epilog="text output: MKL row-major / MKL column-major / oneDNN, median us per product",
+    )
     ap.add_argument("--shapes", default=BUNDLED_SHAPES, help="KxN weight shapes, comma-separated")
     ap.add_argument("--rows", default="1,2,4,8,16,64,512", help="row counts M, comma-separated")
     ap.add_argument("--repeats", type=int, default=200)
@@ -94,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         cross = cpu_gemm.crossover_rows(k, n)
         line = "  ".join(
-            f"M={c['rows']}: {c['mkl_us']:.0f}/{c['onednn_us']:.0f} us ({c['speedup']:.2f}x)"
+            f"M={c['rows']}: {c['mkl_us']:.0f}/{c['mkl_col_us']:.0f}/{c['onednn_us']:.0f} us"
             for c in cells
         )
         print(f"[M, {k}] x [{k}, {n}] (oneDNN from {cross} rows)  {line}", flush=True)

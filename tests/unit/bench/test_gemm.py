@@ -27,8 +27,10 @@ def test_json_lines_time_both_paths_per_row_count(capsys: pytest.CaptureFixture[
         (8, 64, 5),
     ]
     for r in rows:
-        assert r["mkl_us"] > 0 and r["onednn_us"] > 0
+        assert r["mkl_us"] > 0 and r["mkl_col_us"] > 0 and r["onednn_us"] > 0
         assert r["speedup"] == pytest.approx(r["mkl_us"] / r["onednn_us"])
+        assert r["col_speedup"] == pytest.approx(r["mkl_us"] / r["mkl_col_us"])
+        assert r["onednn_over_col"] == pytest.approx(r["mkl_col_us"] / r["onednn_us"])
 
 
 def test_bad_rows_are_a_clear_error() -> None:
