@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark_sglang.config import ArchConfig
+
 VOCAB = 128
 
 
@@ -164,3 +166,26 @@ def write_model_pair(root: Path, chat: bool = False, **target: object) -> tuple[
 
 # The test models are tiny: one thread is faster than two and immune to a busy machine.
 torch.set_num_threads(1)
+
+
+def moe_arch(**overrides: object) -> ArchConfig:
+    """A one-layer Qwen3-MoE geometry for module-level tests (4 experts, top-2)."""
+    fields: dict[str, object] = dict(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+    )
+    fields.update(overrides)
+    return ArchConfig(**fields)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from dspark_sglang.config import ArchConfig, ConfigError, ModelConfig
+from dspark_sglang.config import ConfigError, ModelConfig
 from dspark_sglang.models import cpu_gemm
 from dspark_sglang.models.cpu_gemm import (
     PackedLinear,
@@ -26,6 +26,7 @@ from dspark_sglang.models.cpu_gemm import (
 )
 from dspark_sglang.models.moe import SparseMoeBlock
 from dspark_sglang.models.row_buckets import RowBucketedLinear, bucket_linears
+from tests.conftest import moe_arch
 
 
 def test_this_torch_has_the_packed_linear() -> None:
@@ -113,23 +114,7 @@ def test_pack_model_keeps_parameters_and_skips_what_it_does_not_own() -> None:
 
 
 def test_packed_experts_give_the_same_moe_output() -> None:
-    cfg = ArchConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=96,
-    )
+    cfg = moe_arch()
     g = torch.Generator().manual_seed(0)
     block = SparseMoeBlock(cfg)
     with torch.no_grad():

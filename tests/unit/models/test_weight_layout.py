@@ -10,6 +10,7 @@ from dspark_sglang.models.attention import ForwardContext, forward_context
 from dspark_sglang.models.moe import SparseMoeBlock
 from dspark_sglang.models.row_buckets import bucket_linears
 from dspark_sglang.models.weight_layout import column_major_weights
+from tests.conftest import moe_arch
 
 
 def _column_major(p: torch.Tensor) -> bool:
@@ -17,22 +18,8 @@ def _column_major(p: torch.Tensor) -> bool:
 
 
 def _moe_cfg() -> ArchConfig:
-    return ArchConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=64,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
+    return moe_arch(
+        vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=16, moe_intermediate_size=24
     )
 
 
