@@ -29,6 +29,20 @@ class BlockPool:
         # cache on top of this pool wants) and allocation order is deterministic for tests.
         self._free: deque[int] = deque(range(num_blocks))
         self._ref: list[int] = [0] * num_blocks
+        self._granted: list[int] | None = None  # blocks grow() handed out, when tracked
+
+    def track_grants(self) -> None:
+        """Log the blocks grow() hands out until take_granted(): for state kept per slot
+        outside this pool, which goes stale when a block gets a new owner."""
+        if self._granted is None:
+            self._granted = []
+
+    def take_granted(self) -> list[int]:
+        """Blocks handed out since the last call (none unless track_grants())."""
+        if not self._granted:
+            return []
+        got, self._granted = self._granted, []
+        return got
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,6 +72,8 @@ class BlockPool:
             block = self._free.popleft()
             self._ref[block] = 1
             block_table.append(block)
+            if self._granted is not None:
+                self._granted.append(block)
 
     def shrink(self, block_table: list[int], num_tokens: int) -> None:
         keep = self.blocks_for(num_tokens)

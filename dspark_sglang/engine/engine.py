@@ -117,6 +117,8 @@ _NONE_VERIFIED.flags.writeable = False
 # rows, about 330 steps).
 _MAX_PENDING_CTX_BYTES = 64 << 20
 _MIN_PENDING_CTX_ROWS = 4096
+# Live adopted prompts' C rows wait too, up to this many caps in all (c = 64 bundled: ~25 MB).
+_PENDING_CTX_FACTOR = 4
 
 
 def _last_of_each(slot_ids: torch.Tensor) -> torch.Tensor | None:
@@ -184,10 +186,16 @@ class LLMEngine:
         self._draft_backlog = False  # this step's drafter flushed more than one step's rows
         self._forward_seconds = math.nan
         self._planned_ids: frozenset[int] = frozenset()
-        # verified rows (taps, positions, slots) not yet projected into the drafter's context
+        # drafter-context rows not yet written: verified rows' taps, adopted prompts' C
         self._pending = PendingContext(
-            self.pool.num_blocks, self.runner.page_size, self.runner.device
+            self.pool.num_blocks,
+            self.runner.page_size,
+            self.runner.device,
+            self.runner.drafter_context,
         )
+        self._compact_at = 0  # pending bytes past the cap that trigger the next compaction
+        if drafter is not None:  # a block's pending rows are stale once it is handed out again
+            self.pool.track_grants()
         self.on_step = on_step
         self._state: dict[int, _ReqState] = {}
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -380,12 +388,15 @@ class LLMEngine:
             slots(seq.block_table, 0, n, self.runner.page_size), device=self.runner.device
         )
         self.runner.write_kv(slot_ids, h.kv.to(self.runner.device))
-        if drafter is not None and h.draft_ctx is not None:
-            self._pending.supersede(seq.block_table)  # older rows of these (reused) blocks
-            pos = torch.arange(n, device=self.runner.device)
-            self.runner.write_draft_context(h.draft_ctx.to(self.runner.device), pos, slot_ids)
         detok = IncrementalDetokenizer(self.tokenizer, h.prompt_ids) if self.tokenizer else None
         st = _ReqState(gen, detok)
+        if drafter is not None and h.draft_ctx is not None:
+            # written when the drafter first runs on this request: most never do under load
+            self._pending.supersede(self.pool.take_granted())  # its last owners' rows: stale
+            pos = torch.arange(n, device=self.runner.device)
+            c = h.draft_ctx.to(self.runner.device, self.runner.draft_dtype)
+            self._pending.add_projected(c, pos, slot_ids)
+            st.queued_ctx = n
         if detok is not None:
             st.text = detok.step([h.first_token])
         self._state[seq.seq_id] = st
@@ -530,6 +541,10 @@ class LLMEngine:
             # from position 0 (a prompt, or one recomputed after preemption freed its blocks):
             # whatever it had queued is gone with those blocks
             st.queued_ctx = keep if s.start_pos == 0 else st.queued_ctx + keep
+        # Blocks handed out since the last add hold only their last owners' rows (a new owner's
+        # rows land here, after this): without this, those rows would wait (and count) as
+        # the new owner's until it drafts.
+        self._pending.supersede(self.pool.take_granted())
         if len(rows) == batch.num_tokens:  # every row verified (a step without drafts)
             self._pending.add(taps, batch.positions, batch.attn.slot_mapping)
         else:
@@ -539,14 +554,19 @@ class LLMEngine:
         handoff = any(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         if not handoff:
             row_bytes = taps.shape[-1] * taps.element_size()
-            cap = max(_MIN_PENDING_CTX_ROWS, _MAX_PENDING_CTX_BYTES // row_bytes)
-            if self._pending.rows >= cap:
+            cap = max(_MIN_PENDING_CTX_ROWS * row_bytes, _MAX_PENDING_CTX_BYTES)
+            if self._pending.nbytes >= max(cap, self._compact_at):
                 # Mostly rows of requests gone since: drop those; project the live ones only
-                # when they alone fill half the cap (long contexts), so memory stays bounded.
+                # when their taps alone fill half the cap (long contexts) or all of it holds
+                # _PENDING_CTX_FACTOR caps (adopted prompts' C), so memory stays bounded.
                 live = [b for s in self.scheduler.seqs.values() for b in s.block_table]
                 self._pending.compact(live)
-                if 2 * self._pending.rows >= cap:
+                pend = self._pending
+                if 2 * pend.taps_bytes >= cap or pend.nbytes >= _PENDING_CTX_FACTOR * cap:
                     self._flush_draft_context()
+                # live C rows can sit near the cap: compact again only once the queue has
+                # doubled, so the copies stay proportional to the rows added
+                self._compact_at = 2 * self._pending.nbytes
             return
         # A step of prefill-only requests alone (a prefill worker's) projects its rows for the
         # handoffs and writes none into this engine's drafter cache: no drafter runs on them
@@ -582,8 +602,8 @@ class LLMEngine:
         rows = self._pending.take(live, wanted)
         if rows is None:
             return 0
-        taps, pos, slot_ids = rows
-        self._write_context(self.runner.drafter_context(taps), pos, slot_ids)
+        c, pos, slot_ids = rows
+        self._write_context(c, pos, slot_ids)
         return int(slot_ids.shape[0])
 
     def _project_all(self, write: bool) -> torch.Tensor:
@@ -592,8 +612,7 @@ class LLMEngine:
         rows = self._pending.take_all()
         if rows is None:
             return torch.empty(0)
-        taps, pos, slot_ids, fresh = rows
-        c = self.runner.drafter_context(taps)
+        c, pos, slot_ids, fresh = rows
         if write and bool(fresh.all()):
             self._write_context(c, pos, slot_ids)
         elif write:

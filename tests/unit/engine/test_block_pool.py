@@ -200,3 +200,17 @@ def test_fork_of_freed_blocks_rejected() -> None:
         pool.fork([0])
     with pytest.raises(RuntimeError, match="out of range"):
         pool.fork([9])
+
+
+def test_granted_blocks_are_logged_only_when_tracked_and_handed_over_once() -> None:
+    pool = BlockPool(num_blocks=4, page_size=2)
+    table: list[int] = []
+    pool.grow(table, 3)
+    assert pool.take_granted() == []  # untracked: nothing kept
+    pool.track_grants()
+    pool.grow(table, 5)  # one more block
+    pool.release(table)
+    other: list[int] = []
+    pool.grow(other, 8)  # all four: the never-used one first (FIFO), then the freed ones
+    assert pool.take_granted() == [2, 3, 0, 1, 2]
+    assert pool.take_granted() == []

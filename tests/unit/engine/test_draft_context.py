@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from dspark_sglang.engine.draft_context import PendingContext
 from dspark_sglang.engine.engine import _last_of_each
 
 PAGE, BLOCKS = 4, 12
+PROJECTED = 1000.0  # what the test's projection adds to a taps row
 
 
 def _write(cache: dict[int, float], rows: tuple[torch.Tensor, ...] | None) -> None:
@@ -25,13 +27,13 @@ def _write(cache: dict[int, float], rows: tuple[torch.Tensor, ...] | None) -> No
 
 @pytest.mark.parametrize("seed", range(40))
 def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(seed: int) -> None:
-    """Random owners take and free blocks, verify rows (appended in step order), have prompts
-    written directly (an adopted handoff), get their queue compacted and get drafted a few at a
-    time; whenever a request
+    """Random owners take and free blocks, verify rows (appended in step order, projected when
+    they leave), have prompts written directly or queued already projected (an adopted
+    handoff's C), get their queue compacted and get drafted a few at a time; whenever a request
     drafts, every slot it has written since it got the block holds the same row as under
     eager writes of every step."""
     rng = random.Random(seed)
-    pend = PendingContext(BLOCKS, PAGE, "cpu")
+    pend = PendingContext(BLOCKS, PAGE, "cpu", project=lambda t: t + PROJECTED)
     eager: dict[int, tuple[float, int]] = {}  # slot -> (value, owner that wrote it)
     lazy: dict[int, float] = {}
     owner: dict[int, int] = {}  # block -> request id
@@ -47,11 +49,19 @@ def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(see
                 owner[b] = rid
             if rng.random() < 0.5:
                 pend.supersede(blocks)
+                queued = rng.random() < 0.5  # else written directly, at once
+                slots, vals = [], []
                 for b in blocks:
                     for s in range(b * PAGE, b * PAGE + rng.randint(1, PAGE)):
                         value += 1
                         eager[s] = (value, rid)
-                        lazy[s] = value
+                        if not queued:
+                            lazy[s] = value
+                        slots.append(s)
+                        vals.append(value)
+                if queued:
+                    sl = torch.tensor(slots)
+                    pend.add_projected(torch.tensor(vals).unsqueeze(1), sl.clone(), sl)
         elif op < 0.4 and owner:  # a request finishes (or is preempted): its blocks go free
             rid = rng.choice(sorted(set(owner.values())))
             for b in [b for b, r in owner.items() if r == rid]:
@@ -66,13 +76,14 @@ def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(see
                 vals = torch.arange(value + 1, value + 1 + len(slots)).unsqueeze(1)
                 value += len(slots)
                 for s, v in zip(slots, vals[:, 0].tolist(), strict=True):
-                    eager[s] = (v, owner[s // PAGE])
+                    eager[s] = (v + PROJECTED, owner[s // PAGE])
                 sl = torch.tensor(slots)
                 pend.add(vals, sl.clone(), sl)
         elif op < 0.85 and owner:  # the queue hit its cap: dead and stale rows are dropped
             before = pend.rows
             pend.compact(sorted(owner))
-            assert pend.rows <= before and len(pend) <= 1
+            kinds = [p.projected for p in pend._parts]
+            assert pend.rows <= before and all(a != b for a, b in itertools.pairwise(kinds))
         elif owner:  # the drafter runs on some requests (None: every live one)
             live = sorted(owner)
             rids = sorted(set(owner.values()))
@@ -83,7 +94,12 @@ def test_taking_rows_late_leaves_what_eager_writes_leave_in_every_live_block(see
                 for s in range(b * PAGE, (b + 1) * PAGE):
                     if s in eager and eager[s][1] == owner[b]:
                         assert lazy.get(s) == eager[s][0], (seed, s)
-    assert pend.rows >= 0
+        parts = pend._parts
+        assert pend.rows == sum(len(p.slots) for p in parts)
+        assert pend.nbytes == sum(p.rows.numel() * p.rows.element_size() for p in parts)
+        assert pend.taps_bytes == sum(
+            p.rows.numel() * p.rows.element_size() for p in parts if not p.projected
+        )
 
 
 def test_rows_of_freed_blocks_and_superseded_rows_are_dropped_and_the_rest_wait() -> None:
