@@ -152,6 +152,21 @@ FLUSH_MIN_ROWS, RESUME_HORIZON = 64, 64
 # every 8 (verify-all's: 1.42); at R = 2, 1.89-1.94 / 1.73-1.85 / 1.68 (docs/scheduler.md "A
 # pinned K").
 PIN_PLANS = 2
+# A pinned K = 0 (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose
+# K = 0 for batches of one size bin (`_r_bin`: R rounded up, in steps of an eighth of R),
+# under the same capacity model and lagged snapshot, the next replan_every - 1 steps of that bin,
+# model and snapshot decode plainly without a search (probes still run on their own schedule,
+# and the survival a probe verifies is a new snapshot, which ends the pin). At high load the
+# search costs ~0.37 ms a step (CPU engine, c = 64, where a plain step runs 24 ms) and its
+# inputs change nearly every step (a request joins or leaves, one nears its end and its cap
+# shrinks), so the exact-input memo missed 92 % of them.
+
+
+def _r_bin(r: int) -> int:
+    """R rounded up to a step of an eighth of the power of two at or below it: exact up to 15,
+    then steps of 2 (16-31), 4 (32-63: 61-64 is one bin), 8 (64-127), ..."""
+    step = 1 << max(0, int(r).bit_length() - 4)
+    return -(-int(r) // step) * step
 
 
 def ctx_bucket(ctx: int) -> int:
@@ -267,6 +282,11 @@ def _batch_key(ids: object, max_len: object) -> tuple[bytes, bytes]:
     return np.asarray(ids, np.int64).tobytes(), np.asarray(max_len, np.int64).tobytes()
 
 
+def _same_zero_key(a: tuple[int, object, object], b: tuple[int, object, object]) -> bool:
+    """The same R, and the same capacity model and lagged snapshot objects."""
+    return a[0] == b[0] and a[1] is b[1] and a[2] is b[2]
+
+
 @dataclass(frozen=True)
 class Plan:
     lengths: np.ndarray  # [R] verify lengths
@@ -334,6 +354,10 @@ class VerifyPlanner:
         self._pinned = False  # budget() took this step's K from the pin
         self._learns = True  # observe() learns acceptance from this step (not a pinned plan)
         self.pinned_steps = 0
+        # K = 0 pin: ((R, capacity model, lagged snapshot), searches in a row that chose 0 for
+        # it, steps left to take 0 without a search)
+        self._zero: tuple[tuple[int, object, object], int, int] | None = None
+        self.zero_pinned_steps = 0
         # next step's K: computing on the worker, or known (memo hit: no Future to build)
         self._next_k: Future[KPlan] | KPlan | None = None
         # the rows the last budget()'s K drafts, for draft_rows: ((ids, caps) bytes, K, rows)
@@ -452,13 +476,47 @@ class VerifyPlanner:
         if self._pinned:
             self._k_planned, self._fallback, self._k_rows = math.nan, "", None
             return pinned
+        zero_key = self._zero_key(_r_bin(len(ids))) if key is not None else None
+        if zero_key is not None and self._zero_holds(zero_key):
+            self._k_planned, self._fallback, self._k_rows = math.nan, "", None
+            return 0
         k, rows, self._k_planned, self._fallback = self._lagged_k(
             np.asarray(ids), self._sps(len(ids), ctx), max_len
         )
         self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
         if key is not None:
             self._update_pin(key, k if rows is None or rows.size == len(ids) else 0)
+        if zero_key is not None:
+            self._update_zero(zero_key, k)
         return k
+
+    def _zero_key(self, r: int) -> tuple[int, object, object]:
+        snaps = self.history.snapshots
+        lag = self.mode.lag
+        return (r, self.capacity, snaps[-lag] if len(snaps) >= lag else None)
+
+    def _zero_holds(self, key: tuple[int, object, object]) -> bool:
+        """This step takes K = 0 from the pin (K = 0 pin, PIN_PLANS): steps are left and R, the
+        capacity model and the lagged snapshot are the ones it was set for."""
+        z = self._zero
+        if z is None or z[2] <= 0:
+            return False
+        if not _same_zero_key(z[0], key):
+            self._zero = None
+            return False
+        self._zero = (z[0], z[1], z[2] - 1)
+        self.zero_pinned_steps += 1
+        return True
+
+    def _update_zero(self, key: tuple[int, object, object], k: int) -> None:
+        """After a K search: count a K = 0 toward the pin when the last search chose 0 for the
+        same R, model and snapshot, and pin the next replan_every - 1 steps after PIN_PLANS."""
+        if k > 0:
+            self._zero = None
+            return
+        z = self._zero
+        n = z[1] + 1 if z is not None and _same_zero_key(z[0], key) else 1
+        self._zero = (key, n, self.replan_every - 1 if n >= PIN_PLANS else 0)
 
     def _pin_holds(self, key: tuple[bytes, bytes] | None) -> int:
         """The pinned K for this step (PIN_PLANS), or 0: steps are left and the batch and the
@@ -719,6 +777,7 @@ class VerifyPlanner:
             "lag_shrink_applied": self._shrinks,
             "replan_every": self.replan_every,
             "pinned_steps": self.pinned_steps,
+            "zero_pinned_steps": self.zero_pinned_steps,
             "step_bias": self.step_bias.state(),
         }
 

@@ -182,3 +182,72 @@ def test_the_servers_default_is_eight_and_below_one_is_a_config_error() -> None:
     assert DraftConfig().replan_every == 8
     with pytest.raises(ConfigError, match="--lagged-replan-every"):
         DraftConfig(replan_every=0)
+
+
+# every token of a step costs 10 ms: a verified draft that may be rejected never pays
+DEAR = CapacityModel(TableModel(tuple(range(1, 65)), tuple(0.010 * b for b in range(1, 65))))
+
+
+def plain_step(p: VerifyPlanner, t: int, r: int = 4) -> int:
+    """One lagged step of R requests whose batch changes every step (a request replaced: the
+    exact-input K memo never hits); K = 0 decodes plainly (skip), as the engine does."""
+    ids = list(range(t, t + r))
+    caps = np.full(r, GAMMA)
+    k = p.budget(ids, caps, 100)
+    if k == 0:
+        p.skip(ids, caps, 100)
+        rec = StepRecord(
+            step=t,
+            num_reqs=r,
+            num_tokens=r,
+            num_prefill_tokens=0,
+            num_decode_reqs=r,
+            kv_tokens=100,
+            step_seconds=0.010,
+        )
+        p.observe(np.zeros(0, np.int64), np.zeros(0, np.int64), rec, [])
+    return k
+
+
+def test_two_searches_that_choose_k_0_for_a_batch_size_pin_plain_steps_until_every_fourth() -> None:
+    """K = 0 pins by batch size, capacity model and lagged snapshot, not by batch: requests
+    come and go under the pin, a new size bin or model ends it, and every fourth step
+    searches again."""
+    p, searches = lagged_dear(4)
+    ks = [plain_step(p, t) for t in range(10)]
+    assert ks == [0] * 10
+    assert len(searches) == 4 and p.zero_pinned_steps == 6  # searches at steps 0, 1, 5, 9
+    plain_step(p, 10)  # the bin of R = 4 again, after step 9's search: pinned
+    assert len(searches) == 4
+    plain_step(p, 11, r=6)  # another size: a search, and the pin is gone
+    assert len(searches) == 5
+    plain_step(p, 12, r=6)  # the second K = 0 at R = 6 pins it again
+    plain_step(p, 13, r=6)
+    assert len(searches) == 6 and p.zero_pinned_steps == 8
+    p.capacity = CapacityModel(DEAR.form)  # a live refit published
+    plain_step(p, 14, r=6)
+    assert len(searches) == 7
+    assert p.state()["zero_pinned_steps"] == 8
+
+
+def test_a_drafting_step_ends_a_k_0_pin_and_one_search_a_step_pins_nothing() -> None:
+    p, searches = lagged_dear(4)
+    plain_step(p, 0)
+    plain_step(p, 1)  # pinned from here
+    step(p, 2, logit=np.full((4, GAMMA), 6.0))  # a probe: drafts verified, a new snapshot
+    assert len(searches) == 2
+    plain_step(p, 3)  # K reads the snapshot of two steps back: the probe's is not it yet
+    assert len(searches) == 2
+    plain_step(p, 4)  # now it is: a search
+    assert len(searches) == 3 and p.zero_pinned_steps == 2
+    q, every = lagged_dear(1)
+    for t in range(6):
+        plain_step(q, t)
+    assert len(every) == 6 and q.zero_pinned_steps == 0
+
+
+def lagged_dear(replan_every: int) -> tuple[VerifyPlanner, list[int]]:
+    """`lagged` on a curve where verifying drafts never pays: every search chooses K = 0."""
+    p, searches = lagged(replan_every)
+    p.capacity = DEAR
+    return p, searches

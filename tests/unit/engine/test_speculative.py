@@ -516,7 +516,8 @@ def test_lagged_k_memo_changes_no_decision(
     """The planner reuses the last K while nothing it depends on changed (same lagged snapshot,
     prior, SPS curve, requests and caps). Run for run, every step's K and every token are those
     of a planner that recomputes K each step (including when a probe moves K off 0), and the
-    memo does skip most recomputations in K = 0 stretches."""
+    memo does skip most recomputations in K = 0 stretches. A search every step
+    (`replan_every` = 1): the pins (K = 0 ones included) skip searches the memo would see."""
     from dspark_sglang.engine.planner import VerifyPlanner
 
     target, _ = pair
@@ -535,11 +536,13 @@ def test_lagged_k_memo_changes_no_decision(
 
         monkeypatch.setattr(VerifyPlanner, "_memo_k", counted)
         if scenario == "probes-out":  # K = 0 until probes see the drafter is always right
-            spec = lagged_with_costly_drafter(pair, tmp_path)
+            spec = lagged_with_costly_drafter(pair, tmp_path, replan_every=1)
             spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
         else:
             draft_s = 1.0 if scenario == "never-pays" else 0.0
-            spec = lagged_on_fixed_curve(pair, tmp_path, draft_s, max_running_requests=3)
+            spec = lagged_on_fixed_curve(
+                pair, tmp_path, draft_s, max_running_requests=3, replan_every=1
+            )
         recs: list[StepRecord] = []
         spec.on_step = recs.append
         outs = spec.generate(ps, GREEDY)
@@ -661,10 +664,10 @@ def test_lagged_records_the_tokens_each_k_was_planned_on(
     assert all(math.isnan(r.planned_tokens) for r in frecs)
 
 
-def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path) -> LLM:
+def lagged_with_costly_drafter(pair: tuple[Path, Path], tmp_path: Path, **kw: object) -> LLM:
     """Lagged, one request at a time, a fixed curve (live refit off) whose drafter costs two
     forwards: drafting pays only when most drafts are accepted."""
-    return lagged_on_fixed_curve(pair, tmp_path, 0.02, max_running_requests=1)
+    return lagged_on_fixed_curve(pair, tmp_path, 0.02, max_running_requests=1, **kw)
 
 
 def test_lagged_probes_its_way_out_of_a_pessimistic_prior(
