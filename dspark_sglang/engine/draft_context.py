@@ -62,6 +62,9 @@ class PendingContext:
         self._parts: list[_Part] = []
         self._tick = 0  # rows added now are newer than every supersede so far
         self._epoch = torch.zeros(num_blocks, dtype=torch.long, device=device)
+        # supersedes not yet applied to _epoch: (blocks, tick), applied in one scatter before
+        # the next mask (a plain step hands out a block or two: ~20 us each as its own write)
+        self._marks: list[tuple[np.ndarray, int]] = []
         self._num_blocks = num_blocks
         self._device = device
         self._project = project
@@ -101,9 +104,21 @@ class PendingContext:
         if not blocks or not self._parts:
             return
         self._tick += 1
-        self._epoch[torch.from_numpy(np.asarray(blocks, dtype=np.int64)).to(self._device)] = (
-            self._tick
-        )
+        self._marks.append((np.asarray(blocks, dtype=np.int64), self._tick))
+
+    def _epochs(self) -> torch.Tensor:
+        """_epoch with every supersede so far applied (ticks only grow: the largest wins)."""
+        if self._marks:
+            idx = np.concatenate([b for b, _ in self._marks])
+            ticks = np.repeat([t for _, t in self._marks], [b.size for b, _ in self._marks])
+            self._marks = []
+            self._epoch.scatter_reduce_(
+                0,
+                torch.from_numpy(idx).to(self._device),
+                torch.from_numpy(ticks.astype(np.int64)).to(self._device),
+                reduce="amax",
+            )
+        return self._epoch
 
     def take_all(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Every row in order, projected (a prefill step's rows leave in handoffs, so none is
@@ -115,7 +130,7 @@ class PendingContext:
         self._reset([])
         c, pos, slot_ids = self._projected(parts)
         block = torch.div(slot_ids, self.page_size, rounding_mode="floor")
-        return c, pos, slot_ids, self._epoch[block] <= ticks
+        return c, pos, slot_ids, self._epochs()[block] <= ticks
 
     def take(self, live: Sequence[int], wanted: Sequence[int] | None = None) -> Rows | None:
         """Rows of `wanted` blocks (None: every live block) that are live and not superseded, in
@@ -139,11 +154,12 @@ class PendingContext:
             return self._projected(parts)
         live_m = self._mask(live)
         want_m = None if wanted is None else self._mask(wanted)
+        epoch = self._epochs()
         out: list[_Part] = []
         rest: list[_Part] = []
         for part in self._parts:
             block = torch.div(part.slots, self.page_size, rounding_mode="floor")
-            alive = live_m[block] & (self._epoch[block] <= part.tick)
+            alive = live_m[block] & (epoch[block] <= part.tick)
             keep = alive if want_m is None else alive & want_m[block]
             _select(out, part, keep)
             if want_m is not None:
