@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=dc.replan_every,
         help="lagged mode, K planned inline: once two K searches in a row chose the same K for "
         "the same batch (drafting every row), take it without a search for the next N - 1 steps, "
-        "learning acceptance only on the one the next search reads (1 = a search every step; "
+        "learning acceptance only on the one the next search reads; likewise K = 0 for batches "
+        "of one size bin under the same lagged snapshot (1 = a search every step; "
         "default %(default)s)",
     )
     a(
