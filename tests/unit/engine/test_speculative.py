@@ -212,6 +212,22 @@ def _context_matches_recompute(spec: LLM, hf: torch.nn.Module, seq: Sequence) ->
         torch.testing.assert_close(v_cache[slots], v, atol=2e-4, rtol=1e-4)
 
 
+def check_context_before_drafts(spec: LLM, hf: torch.nn.Module) -> list[int]:
+    """Before every drafter call, each drafted request's context equals a full recompute's;
+    -> the list the checked request ids are appended to."""
+    checked: list[int] = []
+    inner = spec.runner.draft
+
+    def check(batch, temps, gens):  # type: ignore[no-untyped-def]
+        for sid in batch.seq_ids:
+            _context_matches_recompute(spec, hf, spec.scheduler.seqs[sid])
+            checked.append(sid)
+        return inner(batch, temps, gens)
+
+    spec.runner.draft = check  # type: ignore[method-assign]
+    return checked
+
+
 @pytest.mark.parametrize("cap_rows", [None, 6])
 def test_deferred_context_of_requests_drafted_a_few_at_a_time_equals_full_recompute(
     pair: tuple[Path, Path], tmp_path: Path, monkeypatch, cap_rows: int | None
@@ -242,16 +258,7 @@ def test_deferred_context_of_requests_drafted_a_few_at_a_time_equals_full_recomp
     spec.planner.budget = lambda ids, max_len, ctx: 2 if n[0] % 4 == 3 else 0  # type: ignore
     spec.planner.should_probe = lambda: False  # type: ignore[method-assign]
     spec.planner.draft_rows = lambda ids, k, max_len: np.array([n[0] % len(ids)])  # type: ignore
-    checked: list[int] = []
-    inner = spec.runner.draft
-
-    def check(batch, temps, gens):  # type: ignore[no-untyped-def]
-        for sid in batch.seq_ids:
-            _context_matches_recompute(spec, hf, spec.scheduler.seqs[sid])
-            checked.append(sid)
-        return inner(batch, temps, gens)
-
-    spec.runner.draft = check  # type: ignore[method-assign]
+    checked = check_context_before_drafts(spec, hf)
     ps = prompts(9, seed=21)
     for i, p in enumerate(ps[:4]):
         spec.add_request(p, SamplingParams(temperature=0.0, max_tokens=6 + 5 * i))
@@ -315,17 +322,7 @@ def test_an_adopted_prompts_drafter_context_waits_until_the_drafter_runs_on_it(
     while spec.has_unfinished():
         spec.step()
     assert not written  # they finished on plain steps: no prompt row was ever projected
-    hf = hf_reference(target)
-    checked: list[int] = []
-    inner_draft = spec.runner.draft
-
-    def check(batch, temps, gens):  # type: ignore[no-untyped-def]
-        for sid in batch.seq_ids:
-            _context_matches_recompute(spec, hf, spec.scheduler.seqs[sid])
-            checked.append(sid)
-        return inner_draft(batch, temps, gens)
-
-    spec.runner.draft = check  # type: ignore[method-assign]
+    checked = check_context_before_drafts(spec, hf_reference(target))
     drafting[0] = True
     sids = [spec.try_adopt(h) for h in handoffs[2:]]  # into the blocks the first two freed
     assert None not in sids and not written
