@@ -121,6 +121,14 @@ _MIN_PENDING_CTX_ROWS = 4096
 _PENDING_CTX_FACTOR = 4
 
 
+def _kept_rows(dropped: list[tuple[int, int]], num_rows: int) -> np.ndarray:
+    """Indices of the rows outside the `dropped` [start, end) ranges, in order (int64)."""
+    keep = np.ones(num_rows, dtype=bool)
+    for a, b in dropped:
+        keep[a:b] = False
+    return np.flatnonzero(keep).astype(np.int64, copy=False)
+
+
 def _last_of_each(slot_ids: torch.Tensor) -> torch.Tensor | None:
     """Indices of the last occurrence of each slot id, in order (index_put keeps no order among
     duplicate indices, so duplicates are resolved here); None when every id is distinct, the usual
@@ -458,20 +466,24 @@ class LLMEngine:
         ready: list[Sequence] = []
         caps: list[int] = []
         lefts: list[int] = []
+        gamma, max_model_len, ctx = self.gamma, self.runner.max_model_len, 0
+        # _verify_cap inlined: this loop runs over every request on every step, drafting or not
         for s in self.scheduler.running:
-            if s.num_uncached == 1 and s.output_ids:
-                cap = self._verify_cap(s)
+            out = s.output_ids
+            n = len(s.prompt_ids) + len(out)
+            if n - s.num_cached == 1 and out:
+                cap = min(s.params.max_tokens - len(out), max_model_len - n) - 1
                 if cap > 0:
                     ready.append(s)
-                    caps.append(min(cap, self.gamma))
+                    caps.append(min(cap, gamma))
                     lefts.append(cap + 1)
+                    ctx += n
         if not ready:
             return None, {}
         assert self.planner is not None
         ids = [s.seq_id for s in ready]
         self._planned_ids = frozenset(ids)
         max_len = np.array(caps)
-        ctx = sum(s.num_tokens for s in ready)
         k, whole = None, None
         if self.planner.plans_before_drafting:
             self.planner.note_queue([self._state[i].queued_ctx for i in ids], lefts)
@@ -531,13 +543,16 @@ class LLMEngine:
     ) -> None:
         """Append exactly the verified rows: prefill rows, or anchor + n accepted drafts."""
         assert taps is not None
-        rows: list[int] = []
-        start = 0
+        dropped: list[tuple[int, int]] = []  # row ranges of rejected drafts
+        start, kept, state = 0, 0, self._state
         for s in plan.seqs:
-            keep = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else s.num_new_tokens
-            rows += range(start, start + keep)
-            start += s.num_new_tokens
-            st = self._state[s.seq_id]
+            n = s.num_new_tokens
+            keep = 1 + accepted.get(s.seq_id, 0) if s.draft_ids else n
+            if keep != n:
+                dropped.append((start + keep, start + n))
+            start += n
+            kept += keep
+            st = state[s.seq_id]
             # from position 0 (a prompt, or one recomputed after preemption freed its blocks):
             # whatever it had queued is gone with those blocks
             st.queued_ctx = keep if s.start_pos == 0 else st.queued_ctx + keep
@@ -545,11 +560,11 @@ class LLMEngine:
         # rows land here, after this): without this, those rows would wait (and count) as
         # the new owner's until it drafts.
         self._pending.supersede(self.pool.take_granted())
-        if len(rows) == batch.num_tokens:  # every row verified (a step without drafts)
+        if not dropped:  # every row verified (a step without drafts)
             self._pending.add(taps, batch.positions, batch.attn.slot_mapping)
         else:
             # through numpy: torch.tensor of a Python list costs ~10x more per element
-            idx = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(taps.device)
+            idx = torch.from_numpy(_kept_rows(dropped, batch.num_tokens)).to(taps.device)
             self._pending.add(taps[idx], batch.positions[idx], batch.attn.slot_mapping[idx])
         handoff = any(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         if not handoff:
@@ -575,7 +590,7 @@ class LLMEngine:
             len(self._pending) > 1
             or not all(self.scheduler.seqs[s.seq_id].prefill_only for s in plan.seqs)
         )
-        c = self._project_all(write=own)[-len(rows) :]  # this step's rows come last
+        c = self._project_all(write=own)[-kept:]  # this step's rows come last
         for st in self._state.values():
             st.queued_ctx = 0
         start = 0
@@ -637,6 +652,9 @@ class LLMEngine:
             return
         self.stats.steps += 1
         # A skipped draft (lagged K = 0) is a round verifying nothing, as a row with l = 0 is.
+        if proposal is None and self.rounds is None:  # the common plain step, in one pass
+            self._count_skipped(plan, touched)
+            return
         row = proposal.row_of() if proposal is not None else {}
         conf = (
             proposal.conf_logits.tolist()
@@ -659,6 +677,20 @@ class LLMEngine:
             st = self._state[s.seq_id]
             st.rounds += 1
             st.accepted += n
+
+    def _count_skipped(self, plan: StepPlan, touched: dict[Sequence, list[int]]) -> None:
+        planned, seqs, state = self._planned_ids, self.scheduler.seqs, self._state
+        rounds = committed = 0
+        for s in plan.seqs:
+            if s.seq_id not in planned:
+                continue
+            got = touched.get(seqs[s.seq_id])
+            if got is None:
+                continue
+            rounds += 1
+            committed += len(got)
+            state[s.seq_id].rounds += 1
+        self.stats.add_skipped_rounds(rounds, committed)
 
     def _record(
         self,

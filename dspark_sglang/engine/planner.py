@@ -152,14 +152,17 @@ FLUSH_MIN_ROWS, RESUME_HORIZON = 64, 64
 # every 8 (verify-all's: 1.42); at R = 2, 1.89-1.94 / 1.73-1.85 / 1.68 (docs/scheduler.md "A
 # pinned K").
 PIN_PLANS = 2
-# A pinned K = 0 (`replan_every`, K planned inline): once PIN_PLANS K searches in a row chose
+# A pinned K = 0 (`replan_every`, K planned inline): once ZERO_PIN_PLANS K searches in a row chose
 # K = 0 for batches of one size bin (`_r_bin`: R rounded up, in steps of an eighth of R),
 # under the same capacity model and lagged snapshot, the next replan_every - 1 steps of that bin,
 # model and snapshot decode plainly without a search (probes still run on their own schedule,
 # and the survival a probe verifies is a new snapshot, which ends the pin). At high load the
 # search costs ~0.37 ms a step (CPU engine, c = 64, where a plain step runs 24 ms) and its
 # inputs change nearly every step (a request joins or leaves, one nears its end and its cap
-# shrinks), so the exact-input memo missed 92 % of them.
+# shrinks), so the exact-input memo missed 92 % of them. One search suffices: the key already
+# holds what a K = 0 search reads besides the batch (model, snapshot, size), and at two every
+# key change cost two searches (in-process c = 32: 66 of 120 searches were a key's first).
+ZERO_PIN_PLANS = 1
 
 
 def _r_bin(r: int) -> int:
@@ -496,7 +499,7 @@ class VerifyPlanner:
         return (r, self.capacity, snaps[-lag] if len(snaps) >= lag else None)
 
     def _zero_holds(self, key: tuple[int, object, object]) -> bool:
-        """This step takes K = 0 from the pin (K = 0 pin, PIN_PLANS): steps are left and R, the
+        """This step takes K = 0 from the pin (K = 0 pin, ZERO_PIN_PLANS): steps are left and R, the
         capacity model and the lagged snapshot are the ones it was set for."""
         z = self._zero
         if z is None or z[2] <= 0:
@@ -510,13 +513,14 @@ class VerifyPlanner:
 
     def _update_zero(self, key: tuple[int, object, object], k: int) -> None:
         """After a K search: count a K = 0 toward the pin when the last search chose 0 for the
-        same R, model and snapshot, and pin the next replan_every - 1 steps after PIN_PLANS."""
+        same R, model and snapshot, and pin the next replan_every - 1 steps after
+        ZERO_PIN_PLANS."""
         if k > 0:
             self._zero = None
             return
         z = self._zero
         n = z[1] + 1 if z is not None and _same_zero_key(z[0], key) else 1
-        self._zero = (key, n, self.replan_every - 1 if n >= PIN_PLANS else 0)
+        self._zero = (key, n, self.replan_every - 1 if n >= ZERO_PIN_PLANS else 0)
 
     def _pin_holds(self, key: tuple[bytes, bytes] | None) -> int:
         """The pinned K for this step (PIN_PLANS), or 0: steps are left and the batch and the

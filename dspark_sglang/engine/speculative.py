@@ -234,6 +234,13 @@ class SpecStats:
             self.at_risk[k] += 1
             self.passed[k] += k < num_accepted
 
+    def add_skipped_rounds(self, rounds: int, committed: int) -> None:
+        """`rounds` rounds that verified nothing (a skipped draft), committing `committed`
+        tokens in all: add_round(0, 0, c) for each, at once."""
+        self.rounds += rounds
+        self.accept_length_sum += committed
+        self.verify_tokens += rounds
+
     @property
     def tau(self) -> float:
         return self.accept_length_sum / self.rounds if self.rounds else 0.0

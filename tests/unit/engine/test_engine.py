@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,6 +158,26 @@ def test_deferred_draft_context_keeps_the_newest_row_of_a_reused_slot() -> None:
     # distinct slots (no block reused between two flushes): nothing to resolve, write them as is
     assert _last_of_each(torch.tensor([4, 7, 9])) is None
     assert _last_of_each(torch.tensor([], dtype=torch.long)) is None
+
+
+def test_verified_rows_skip_exactly_the_rejected_drafts() -> None:
+    from dspark_sglang.engine.engine import _kept_rows
+
+    # three sequences of 3, 1 and 4 rows: the first kept 2 (one draft rejected), the third 1
+    assert _kept_rows([(2, 3), (5, 8)], 8).tolist() == [0, 1, 3, 4]
+    assert _kept_rows([], 3).tolist() == [0, 1, 2]
+    assert _kept_rows([(0, 2)], 2).dtype == np.int64
+
+
+def test_skipped_rounds_add_up_as_rounds_that_verified_nothing() -> None:
+    from dspark_sglang.engine.speculative import SpecStats
+
+    one_by_one, at_once = SpecStats(gamma=4), SpecStats(gamma=4)
+    for committed in (1, 1, 2):
+        one_by_one.add_round(0, 0, committed)
+    at_once.add_skipped_rounds(3, 4)
+    assert at_once.as_dict() == one_by_one.as_dict()
+    assert at_once.rounds == 3 and at_once.verify_tokens == 3 and at_once.tau == pytest.approx(4 / 3)
 
 
 class _FakeClock:

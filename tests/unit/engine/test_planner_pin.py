@@ -209,37 +209,37 @@ def plain_step(p: VerifyPlanner, t: int, r: int = 4) -> int:
     return k
 
 
-def test_two_searches_that_choose_k_0_for_a_batch_size_pin_plain_steps_until_every_fourth() -> None:
+def test_a_search_that_chooses_k_0_for_a_batch_size_pins_plain_steps_until_every_fourth() -> None:
     """K = 0 pins by batch size, capacity model and lagged snapshot, not by batch: requests
     come and go under the pin, a new size bin or model ends it, and every fourth step
     searches again."""
     p, searches = lagged_dear(4)
     ks = [plain_step(p, t) for t in range(10)]
     assert ks == [0] * 10
-    assert len(searches) == 4 and p.zero_pinned_steps == 6  # searches at steps 0, 1, 5, 9
-    plain_step(p, 10)  # the bin of R = 4 again, after step 9's search: pinned
+    assert len(searches) == 3 and p.zero_pinned_steps == 7  # searches at steps 0, 4, 8
+    plain_step(p, 10)  # the bin of R = 4 again, inside step 8's pin
+    assert len(searches) == 3
+    plain_step(p, 11, r=6)  # another size: a search, which pins R = 6's bin
     assert len(searches) == 4
-    plain_step(p, 11, r=6)  # another size: a search, and the pin is gone
-    assert len(searches) == 5
-    plain_step(p, 12, r=6)  # the second K = 0 at R = 6 pins it again
+    plain_step(p, 12, r=6)
     plain_step(p, 13, r=6)
-    assert len(searches) == 6 and p.zero_pinned_steps == 8
+    assert len(searches) == 4 and p.zero_pinned_steps == 10
     p.capacity = CapacityModel(DEAR.form)  # a live refit published
     plain_step(p, 14, r=6)
-    assert len(searches) == 7
-    assert p.state()["zero_pinned_steps"] == 8
+    assert len(searches) == 5
+    assert p.state()["zero_pinned_steps"] == 10
 
 
 def test_a_drafting_step_ends_a_k_0_pin_and_one_search_a_step_pins_nothing() -> None:
-    p, searches = lagged_dear(4)
-    plain_step(p, 0)
-    plain_step(p, 1)  # pinned from here
+    p, searches = lagged_dear(8)
+    plain_step(p, 0)  # a search: pinned from here
+    plain_step(p, 1)
     step(p, 2, logit=np.full((4, GAMMA), 6.0))  # a probe: drafts verified, a new snapshot
-    assert len(searches) == 2
+    assert len(searches) == 1
     plain_step(p, 3)  # K reads the snapshot of two steps back: the probe's is not it yet
-    assert len(searches) == 2
-    plain_step(p, 4)  # now it is: a search
-    assert len(searches) == 3 and p.zero_pinned_steps == 2
+    assert len(searches) == 1
+    plain_step(p, 4)  # now it is: a search, well inside the eight steps
+    assert len(searches) == 2 and p.zero_pinned_steps == 3
     q, every = lagged_dear(1)
     for t in range(6):
         plain_step(q, t)
