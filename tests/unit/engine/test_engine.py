@@ -177,7 +177,9 @@ def test_skipped_rounds_add_up_as_rounds_that_verified_nothing() -> None:
         one_by_one.add_round(0, 0, committed)
     at_once.add_skipped_rounds(3, 4)
     assert at_once.as_dict() == one_by_one.as_dict()
-    assert at_once.rounds == 3 and at_once.verify_tokens == 3 and at_once.tau == pytest.approx(4 / 3)
+    assert (
+        at_once.rounds == 3 and at_once.verify_tokens == 3 and at_once.tau == pytest.approx(4 / 3)
+    )
 
 
 class _FakeClock:
