@@ -467,7 +467,8 @@ class LLMEngine:
         caps: list[int] = []
         lefts: list[int] = []
         gamma, max_model_len, ctx = self.gamma, self.runner.max_model_len, 0
-        # _verify_cap inlined: this loop runs over every request on every step, drafting or not
+        # The most drafts worth verifying: a round commits at most l + 1 tokens, within
+        # max_tokens and the context. Inline: this loop visits every request every step.
         for s in self.scheduler.running:
             out = s.output_ids
             n = len(s.prompt_ids) + len(out)
@@ -527,12 +528,6 @@ class LLMEngine:
         self.stats.drafted += len(ready) * self.gamma
         drafts = {s.seq_id: toks[i][: int(lens[i])] for i, s in enumerate(ready)}
         return proposal, drafts
-
-    def _verify_cap(self, seq: Sequence) -> int:
-        """Most drafts worth verifying: a round commits at most l + 1 tokens."""
-        left = seq.params.max_tokens - len(seq.output_ids)
-        room = self.runner.max_model_len - seq.num_tokens
-        return max(0, min(left, room) - 1)
 
     def _extend_draft_context(
         self,
