@@ -195,15 +195,25 @@ class ModelConfig:
             raise ConfigError("tap layer ids must be strictly increasing")
 
 
+# "lowest": the lowest-numbered free block, so the live KV stays in one compact region of the
+# pool; "fifo": the block freed longest ago, so a freed block's KV survives longest.
+BLOCK_ORDERS = ("lowest", "fifo")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     page_size: int = 16
     kv_cache_bytes: int = 256 << 20  # memory budget for the target KV pool
     num_blocks: int | None = None  # overrides the budget when set (tests, profiling)
+    block_order: str = "lowest"  # which free KV block a grow takes: BLOCK_ORDERS
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ConfigError("--page-size must be positive")
+        if self.block_order not in BLOCK_ORDERS:
+            raise ConfigError(
+                f"--kv-block-order must be one of {BLOCK_ORDERS}, got {self.block_order!r}"
+            )
         if self.kv_cache_bytes <= 0 and self.num_blocks is None:
             raise ConfigError("--kv-cache-bytes must be positive")
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
 from dspark_sglang.config import (
+    BLOCK_ORDERS,
     CPU_GEMMS,
     DTYPES,
     ArchConfig,
@@ -199,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--page-size", type=int, default=_defaults(CacheConfig).page_size)
     a("--kv-cache-bytes", type=int, default=_defaults(CacheConfig).kv_cache_bytes)
     a("--num-blocks", type=int)
+    a(
+        "--kv-block-order",
+        choices=BLOCK_ORDERS,
+        default=_defaults(CacheConfig).block_order,
+        help="which free KV block a request takes: lowest (the live KV stays compact; "
+        "default) or fifo (the one freed longest ago)",
+    )
     sc = _defaults(SchedConfig)
     a("--max-running-requests", type=int, default=sc.max_running_requests)
     a("--max-num-batched-tokens", type=int, default=sc.max_num_batched_tokens)
@@ -290,7 +298,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
             cpu_malloc_keep_mib=args.cpu_malloc_keep_mib,
         ),
         cache=CacheConfig(
-            page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_blocks=args.num_blocks
+            page_size=args.page_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            num_blocks=args.num_blocks,
+            block_order=args.kv_block_order,
         ),
         sched=SchedConfig(
             max_running_requests=args.max_running_requests,

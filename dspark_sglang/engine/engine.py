@@ -164,7 +164,9 @@ class LLMEngine:
         self.mode = parse_schedule_mode(config.draft.schedule_mode)
         self.runner: ModelRunner = create_runner(config)
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
-        self.pool = BlockPool(self.runner.num_blocks, self.runner.page_size)
+        self.pool = BlockPool(
+            self.runner.num_blocks, self.runner.page_size, config.cache.block_order
+        )
         eos = self.runner.arch.eos_token_ids + _generation_eos(config.model.path)
         self.scheduler = Scheduler(
             config.sched, self.pool, self.runner.max_model_len, tuple(dict.fromkeys(eos))

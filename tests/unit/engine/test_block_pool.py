@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dspark_sglang.config import ConfigError
+from dspark_sglang.config import CacheConfig, ConfigError
 from dspark_sglang.engine.block_pool import BlockPool, OutOfBlocks
 
 NUM_BLOCKS = 16
@@ -19,9 +19,11 @@ PAGE_SIZE = 4
 class BlockPoolMachine(RuleBasedStateMachine):
     """Model: (block_table, num_tokens) pairs; the pool must agree with it after every op."""
 
+    order = "lowest"
+
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(NUM_BLOCKS, PAGE_SIZE)
+        self.pool = BlockPool(NUM_BLOCKS, PAGE_SIZE, self.order)
         self.tables: list[tuple[list[int], int]] = []
 
     def _pick(self, i: int) -> int:
@@ -29,7 +31,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def _snapshot(self) -> tuple[list[int], list[int], list[list[int]]]:
         # Reads private state on purpose: the invariants are about the free list and ref counts.
-        return list(self.pool._free), list(self.pool._ref), [list(t) for t, _ in self.tables]
+        return self.pool.free_blocks(), list(self.pool._ref), [list(t) for t, _ in self.tables]
 
     @rule(tokens=st.integers(0, 3 * PAGE_SIZE))
     def create(self, tokens: int) -> None:
@@ -95,7 +97,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert len(table) == pool.blocks_for(tokens)
             assert len(set(table)) == len(table), "block twice in one table"
             refs.update(table)
-        free = list(pool._free)
+        free = pool.free_blocks()
         assert len(set(free)) == len(free), "block twice in free list"
         for block in range(NUM_BLOCKS):
             assert pool._ref[block] == refs[block]
@@ -120,6 +122,14 @@ BlockPoolMachine.TestCase.settings = settings(
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 
 
+class FifoBlockPoolMachine(BlockPoolMachine):
+    order = "fifo"
+
+
+FifoBlockPoolMachine.TestCase.settings = BlockPoolMachine.TestCase.settings
+TestFifoBlockPoolMachine = FifoBlockPoolMachine.TestCase
+
+
 @pytest.mark.parametrize(
     ("tokens", "blocks"), [(0, 0), (1, 1), (3, 1), (4, 1), (5, 2), (8, 2), (9, 3)]
 )
@@ -137,6 +147,31 @@ def test_bad_constructor_args(num_blocks: int, page_size: int) -> None:
         BlockPool(num_blocks, page_size)
 
 
+def test_an_unknown_block_order_is_a_config_error_naming_the_choices() -> None:
+    with pytest.raises(ConfigError, match="lowest"):
+        BlockPool(4, 2, "random")
+    with pytest.raises(ConfigError, match="--kv-block-order"):
+        CacheConfig(block_order="lifo")
+
+
+def test_lowest_order_refills_the_lowest_freed_blocks_before_untouched_ones() -> None:
+    """The live blocks stay packed at the bottom of the pool however requests finish."""
+    pool = BlockPool(8, 2)  # "lowest" is the default
+    a: list[int] = []
+    b: list[int] = []
+    c: list[int] = []
+    for t in (a, b, c):
+        pool.grow(t, 4)
+    assert (a, b, c) == ([0, 1], [2, 3], [4, 5])
+    pool.release(c)
+    pool.release(a)  # out of step: the first request finishes after the third
+    d: list[int] = []
+    pool.grow(d, 6)
+    assert d == [0, 1, 4]  # not 6 and 7, which FIFO hands out first
+    pool.grow(b, 6)
+    assert b == [2, 3, 5]
+
+
 def test_out_of_blocks_allocates_nothing() -> None:
     pool = BlockPool(4, 2)
     a: list[int] = []
@@ -149,7 +184,7 @@ def test_out_of_blocks_allocates_nothing() -> None:
 
 
 def test_fifo_order_and_grow_is_idempotent() -> None:
-    pool = BlockPool(4, 2)
+    pool = BlockPool(4, 2, "fifo")
     t: list[int] = []
     pool.grow(t, 4)
     assert t == [0, 1]
@@ -202,8 +237,13 @@ def test_fork_of_freed_blocks_rejected() -> None:
         pool.fork([9])
 
 
-def test_granted_blocks_are_logged_only_when_tracked_and_handed_over_once() -> None:
-    pool = BlockPool(num_blocks=4, page_size=2)
+@pytest.mark.parametrize(
+    ("order", "granted"), [("fifo", [2, 3, 0, 1, 2]), ("lowest", [2, 0, 1, 2, 3])]
+)
+def test_granted_blocks_are_logged_only_when_tracked_and_handed_over_once(
+    order: str, granted: list[int]
+) -> None:
+    pool = BlockPool(num_blocks=4, page_size=2, order=order)
     table: list[int] = []
     pool.grow(table, 3)
     assert pool.take_granted() == []  # untracked: nothing kept
@@ -211,6 +251,6 @@ def test_granted_blocks_are_logged_only_when_tracked_and_handed_over_once() -> N
     pool.grow(table, 5)  # one more block
     pool.release(table)
     other: list[int] = []
-    pool.grow(other, 8)  # all four: the never-used one first (FIFO), then the freed ones
-    assert pool.take_granted() == [2, 3, 0, 1, 2]
+    pool.grow(other, 8)  # all four (FIFO: the never-used one first, then the freed ones)
+    assert pool.take_granted() == granted
     assert pool.take_granted() == []

@@ -115,3 +115,16 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
 def test_generate_curve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--gen-curve-keys", str(tmp_path / "k")]) == 0
     assert (tmp_path / "k" / "cluster.key_secret").is_file()
+
+
+def test_kv_block_order_flag_reaches_the_cache_config(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--model-path", str(model)]
+    assert config_from_args(build_parser().parse_args(base)).cache.block_order == "lowest"
+    fifo = build_parser().parse_args([*base, "--kv-block-order", "fifo"])
+    assert config_from_args(fifo).cache.block_order == "fifo"
+    with pytest.raises(SystemExit) as bad:
+        main([*base, "--kv-block-order", "random"])
+    assert bad.value.code == 2
+    assert "--kv-block-order" in capsys.readouterr().err
