@@ -1,7 +1,7 @@
 """Paged KV block allocator on ints: a free list (lowest block first, or FIFO), ref counts,
 grow/shrink/fork of block tables.
 
-Stdlib only; imports nothing but `config.ConfigError` (no torch: the runner owns the KV tensors).
+Stdlib only; imports nothing but `config` (no torch: the runner owns the KV tensors).
 """
 
 from __future__ import annotations
