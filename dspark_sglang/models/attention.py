@@ -55,10 +55,8 @@ class AttentionMetadata:
 PREFILL_Q = 16
 # A group admits a sequence whose context (and, for prefill chunks, query count) is at least
 # its longest one's divided by this, so padding adds at most a quarter to a group's work. At 2
-# the held-out prompts' spread (35-540 tokens) left a decode batch gathering 1.41x its real
-# context; 1.25 against 2, in-process, no-spec with max_tokens 48-160: R = 64 forward 22.85
-# against 24.32 ms, R = 16 10.46 against 10.65; 256 prompts prefilled 2.33 against 2.49 s;
-# verify-all at c = 16 18.86 against 19.19 ms (1.1 and 1.0 measured as 1.25 at R = 64).
+# a decode batch of the held-out prompts (35-540 tokens) gathered 1.41x its real context; 1.25
+# cut an R = 64 forward and a prefill by ~6 % (docs/engine.md "Why groups").
 PAD_RATIO = 1.25
 # Verify rows (2 … PREFILL_Q new tokens) group by query count too: a group admits a row whose
 # count is at least its largest one's divided by this. A ragged verify (lagged or sync top-K:
