@@ -174,25 +174,40 @@ class TableModel:
 
 @dataclass(frozen=True, slots=True)
 class AdditiveModel:
-    """Upstream's 2-D form with a context term: T = bias + α(R) + θ(B_exec) + κ·ctx (DESIGN §4).
-    ctx counts KV tokens attended by the whole batch (StepRecord.kv_tokens)."""
+    """Upstream's 2-D form with context terms: T = bias + α(R) + θ(B_exec) + κ·ctx
+    + κ_q·ctx·(B_exec − R)/R (DESIGN §4). ctx counts KV tokens attended by the whole batch
+    (StepRecord.kv_tokens); the κ_q term prices the extra query tokens of a verify step: each
+    of a request's B/R tokens attends its context, so a KV token costs more the more drafts its
+    request verifies. Served CPU engine (s49_final, forward vs KV tokens with one intercept per
+    (R, B) shape): 0.69 µs a KV token at one token per request (no-spec, 47,562 steps), 1.16 at
+    four (fixed:3), 1.39 at eight (verify-all); one κ fitted over the start-up grid's mix read
+    1.10, which priced a plain R = 64 step at 12 k KV tokens ~5 ms (20 %) above what it took."""
 
     bias_s: float
     alpha: Curve  # seconds vs R
     theta: Curve  # seconds vs executed B
     kappa_s: float = 0.0  # seconds per KV token attended
     buckets: tuple[int, ...] = ()  # graph tiers; () = the engine runs exactly B tokens
+    kappa_q_s: float = 0.0  # seconds per KV token per extra query token of its request
     kind: ClassVar[str] = "additive"
 
     def base_seconds(self, num_reqs: Array | int, executed: Array, ctx: Array | int) -> Array:
-        ctx_s = self.kappa_s * (ctx if _is_scalar(ctx) else np.asarray(ctx, np.float64))
-        return self.bias_s + self.alpha(num_reqs) + self.theta(executed) + ctx_s
+        c = ctx if _is_scalar(ctx) else np.asarray(ctx, np.float64)
+        t = self.bias_s + self.alpha(num_reqs) + self.theta(executed) + self.kappa_s * c
+        if self.kappa_q_s:
+            r = np.maximum(np.asarray(num_reqs, np.float64), 1.0)
+            t = t + self.kappa_q_s * c * np.maximum(np.asarray(executed, np.float64) - r, 0.0) / r
+        return t
 
     def base_scalar(self, num_reqs: int, executed: int, ctx: float) -> float:
         """`base_seconds` of one step, in Python floats: the same sum in the same order, without
         the numpy scalars that cost the planner's per-step path more than the arithmetic."""
         a, t = self.alpha._at(float(num_reqs)), self.theta._at(float(executed))
-        return self.bias_s + a + t + self.kappa_s * ctx
+        s = self.bias_s + a + t + self.kappa_s * ctx
+        if self.kappa_q_s:
+            r = max(float(num_reqs), 1.0)
+            s += self.kappa_q_s * ctx * max(float(executed) - r, 0.0) / r
+        return s
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -200,6 +215,7 @@ class AdditiveModel:
             "alpha": self.alpha.to_dict(),
             "theta": self.theta.to_dict(),
             "kappa_s": float(self.kappa_s),
+            "kappa_q_s": float(self.kappa_q_s),
             "buckets": list(self.buckets),
         }
 
@@ -215,6 +231,7 @@ class AdditiveModel:
             theta=Curve.from_dict(get_field(p, "theta", where), f"{where}.theta"),
             kappa_s=as_float(get_field(p, "kappa_s", where, 0.0), f"{where}.kappa_s"),
             buckets=as_increasing(raw_buckets, f"{where}.buckets", integer=True, allow_empty=True),
+            kappa_q_s=as_float(get_field(p, "kappa_q_s", where, 0.0), f"{where}.kappa_q_s"),
         )
 
 

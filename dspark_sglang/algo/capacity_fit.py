@@ -98,6 +98,13 @@ def fit_table(num_tokens: Array, seconds: Array, buckets: Sequence[int]) -> Tabl
     return TableModel(tuple(int(v) for v in b), tuple(float(v) for v in smooth))
 
 
+def _independent(base: Array, x: Array) -> bool:
+    """Whether column x varies independently of the columns of `base` (its least-squares
+    residual is more than round-off)."""
+    resid = x - base @ np.linalg.lstsq(base, x, rcond=None)[0]
+    return bool(np.linalg.norm(resid) > 1e-3 * max(np.linalg.norm(x), 1.0))
+
+
 def fit_additive(
     num_reqs: Array,
     num_tokens: Array,
@@ -107,21 +114,30 @@ def fit_additive(
     buckets: Sequence[int] = (),
     max_knots: int = 16,
 ) -> AdditiveModel:
-    """Robust least squares for T = bias + α(R) + θ(B_exec) + κ·ctx (DESIGN §4; upstream's OLS
-    backfit with hat functions instead of dummies), α(R_min) = θ(B_min) = 0 so bias is T at the
-    smallest cell; α, θ then projected onto non-decreasing curves. κ is fitted only when ctx varies
-    independently of R and B (a profile at one context length leaves it 0 and α, θ absorb it)."""
+    """Robust least squares for T = bias + α(R) + θ(B_exec) + κ·ctx + κ_q·ctx·(B_exec − R)/R
+    (DESIGN §4; upstream's OLS backfit with hat functions instead of dummies), α(R_min) =
+    θ(B_min) = 0 so bias is T at the smallest cell; α, θ then projected onto non-decreasing
+    curves. Each context term is fitted only when it varies independently of R, B and the other
+    (a profile at one context length leaves both 0 and α, θ absorb them; one at one token per
+    request leaves κ_q 0); a negative one is noise and is refitted without."""
     reqs = np.asarray(num_reqs, np.float64)
     ex = executed_tokens(tuple(buckets), np.asarray(num_tokens, np.int64)).astype(np.float64)
     c, y = np.asarray(ctx, np.float64), np.asarray(seconds, np.float64)
+    cq = c * np.maximum(ex - np.maximum(reqs, 1.0), 0.0) / np.maximum(reqs, 1.0)
     r_knots, b_knots = _knots(reqs, max_knots), _knots(ex, max_knots)
     cols = [np.ones((y.size, 1)), _hat_basis(reqs, r_knots)[:, 1:], _hat_basis(ex, b_knots)[:, 1:]]
     base = np.concatenate(cols, axis=1)
-    resid = c - base @ np.linalg.lstsq(base, c, rcond=None)[0]
-    use_ctx = np.linalg.norm(resid) > 1e-3 * max(np.linalg.norm(c), 1.0)
-    beta = _robust_lstsq(np.concatenate([base, c[:, None]], axis=1) if use_ctx else base, y)
-    if use_ctx and beta[-1] < 0.0:  # a negative per-token cost is noise; refit without it
-        use_ctx, beta = False, _robust_lstsq(base, y)
+    terms: dict[str, Array] = {}
+    for name, x in (("kappa", c), ("kappa_q", cq)):
+        if _independent(np.column_stack([base, *terms.values()]), x):
+            terms[name] = x
+    while True:
+        beta = _robust_lstsq(np.column_stack([base, *terms.values()]), y)
+        coef = dict(zip(terms, beta[base.shape[1] :].tolist(), strict=True))
+        negative = [k for k, v in coef.items() if v < 0.0]
+        if not negative:
+            break
+        del terms[min(negative, key=coef.__getitem__)]  # noise: refit without it
     m = len(r_knots) - 1
     alpha = isotonic(np.concatenate(([0.0], beta[1 : 1 + m])))
     theta = isotonic(np.concatenate(([0.0], beta[1 + m : 1 + m + len(b_knots) - 1])))
@@ -132,7 +148,8 @@ def fit_additive(
         bias_s=bias,
         alpha=Curve(r_knots, tuple((alpha - alpha[0]).tolist())),
         theta=Curve(b_knots, tuple((theta - theta[0]).tolist())),
-        kappa_s=float(beta[-1]) if use_ctx else 0.0,
+        kappa_s=coef.get("kappa", 0.0),
+        kappa_q_s=coef.get("kappa_q", 0.0),
         buckets=tuple(int(v) for v in buckets),
     )
 

@@ -98,9 +98,11 @@ def test_scalar_fast_paths_equal_the_array_paths(knots: list[int], data: st.Data
     x = data.draw(st.floats(-10.0, 500.0))
     assert float(curve(x)) == pytest.approx(float(curve(np.array([x]))[0]), abs=1e-12)
     scale = Curve((1.0, 16.0, 128.0), (1.2, 0.9, 1.4))
+    queries = replace(additive().form, kappa_q_s=5e-8)
     for m in (
         replace(additive(), scale=scale, draft=curve),
         replace(additive(moe=moe_term(zipf(64, 1.1))), scale=scale),
+        CapacityModel(queries, scale=scale),
         CapacityModel(TableModel((1, 8, 64), (0.01, 0.02, 0.05)), draft=curve),
     ):
         r = data.draw(st.integers(1, 64))
@@ -233,6 +235,8 @@ def test_dict_round_trip_is_exact() -> None:
         version=7,
     )
     assert CapacityModel.from_dict(m.to_dict()) == m
+    q = CapacityModel(replace(additive().form, kappa_q_s=5e-8))
+    assert CapacityModel.from_dict(q.to_dict()) == q
     t = CapacityModel(TableModel((6, 12, 24), (0.01, 0.02, 0.04)), version=2)
     assert CapacityModel.from_dict(t.to_dict()) == t
 
@@ -296,6 +300,39 @@ def test_fit_additive_recovers_a_noisy_model() -> None:
     # One context length per request count: κ is not identifiable and stays 0.
     fixed = fit_additive(reqs, toks, reqs * 256, secs, buckets=BUCKETS)
     assert fixed.kappa_s == 0.0
+
+
+def test_the_context_term_grows_with_the_queries_per_request() -> None:
+    """κ_q: a verify step's extra tokens each attend their request's context. A model fitted
+    with one κ over a grid of 1, 4 and 8 tokens per request (the engine's start-up grid) prices
+    plain decode steps at large contexts too high (served CPU engine: 0.69 µs a KV token at one
+    token per request, 1.39 at eight); with κ_q the fit recovers both slopes."""
+    truth = CapacityModel(
+        AdditiveModel(
+            bias_s=0.003,
+            alpha=Curve((1.0, 64.0), (0.0, 0.001)),
+            theta=Curve((1.0, 64.0, 512.0), (0.0, 0.009, 0.040)),
+            kappa_s=0.7e-6,
+            kappa_q_s=0.1e-6,
+        )
+    )
+    rng = np.random.default_rng(1)
+    reqs = rng.choice([1, 2, 4, 8, 16, 32, 64], 500)
+    per_req = rng.choice([1, 4, 8], 500)
+    toks = reqs * per_req
+    ctx = reqs * rng.choice([64, 256], 500) + toks
+    secs = truth.step_seconds(reqs, toks, ctx) * np.exp(rng.normal(0.0, 0.02, 500))
+    fit = CapacityModel(fit_additive(reqs, toks, ctx, secs))
+    assert fit.form.kappa_s == pytest.approx(0.7e-6, rel=0.15)
+    assert fit.form.kappa_q_s == pytest.approx(0.1e-6, rel=0.25)
+    for r, b, c in ((64, 64, 16_000), (8, 64, 1_600), (64, 128, 16_000)):
+        assert fit.predict(r, b, c) == pytest.approx(truth.predict(r, b, c), rel=0.04)
+    # one token per request everywhere (no-spec): κ_q is not identifiable and stays 0
+    plain = fit_additive(reqs, reqs, reqs * rng.choice([64, 256], 500) + reqs, secs)
+    assert plain.kappa_q_s == 0.0
+    d = CapacityModel(replace(truth.form, kappa_q_s=-1e-7)).to_dict()
+    with pytest.raises(ConfigError, match=r"kappa_q_s"):
+        CapacityModel.from_dict(d)
 
 
 def test_fit_table_takes_bucket_medians_and_is_monotone() -> None:
