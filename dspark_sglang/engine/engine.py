@@ -462,7 +462,9 @@ class LLMEngine:
 
     def _draft(self) -> tuple[Proposal | None, dict[int, list[int]]]:
         """Draft gamma tokens for every decoding sequence and choose how many to verify."""
-        if self.runner.drafter is None:
+        if self.runner.drafter is None or (
+            self.planner is not None and self.planner.never_verifies
+        ):
             return None, {}
         # Decoding = the prompt is in KV and the anchor is a sampled token (not a prompt tail).
         ready: list[Sequence] = []

@@ -413,6 +413,13 @@ class VerifyPlanner:
         self._pool = survival_pool(np.empty((0, gamma)), np.empty((0, gamma)), POOL_ROWS)
 
     @property
+    def never_verifies(self) -> bool:
+        """`fixed:0`: no draft is ever verified, so the drafter never runs (the deployment still
+        keeps the drafter's context, as every speculative one does: what being speculative costs
+        before any drafting decision, the ceiling of any policy that would not draft)."""
+        return self.mode.name == "fixed" and self.mode.length == 0
+
+    @property
     def plans_before_drafting(self) -> bool:
         """Lagged K is known before this step's drafts exist, so K = 0 can skip the drafter."""
         return self.mode.name == "lagged"

@@ -418,6 +418,25 @@ def watch_drafts(spec: LLM) -> tuple[list[list[int]], list[StepRecord]]:
     return drafted, recs
 
 
+def test_fixed_zero_never_runs_the_drafter(pair: tuple[Path, Path]) -> None:
+    """`fixed:0` verifies no draft, so it drafts none: plain decoding with the drafter loaded
+    (its context kept as in any speculative deployment), the same tokens as no-spec, and no
+    drafter call or drafter time in any step. `fixed:1` on the same engine does draft."""
+    ps = prompts(5, seed=4)
+    base = LLM(str(pair[0]), num_blocks=128, page_size=4).generate(ps, GREEDY)
+    for mode, drafts in (("fixed:0", False), ("fixed:1", True)):
+        spec = LLM(
+            str(pair[0]), draft_model=str(pair[1]), schedule_mode=mode, num_blocks=128, page_size=4
+        )
+        drafted, recs = watch_drafts(spec)
+        outs = spec.generate(ps, GREEDY)
+        assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+        assert bool(drafted) == drafts
+        assert any(r.draft_seconds > 0.0 for r in recs) == drafts
+        assert (spec.stats.drafted > 0) == drafts
+        assert spec.pool.num_free_blocks == spec.pool.num_blocks
+
+
 @pytest.mark.parametrize("draft_s", [1.0, 0.0])
 def test_lagged_skips_the_drafter_when_drafting_cannot_pay(
     pair: tuple[Path, Path], tmp_path: Path, draft_s: float
