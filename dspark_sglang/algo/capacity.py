@@ -181,7 +181,7 @@ class AdditiveModel:
     request verifies. Served CPU engine (s49_final, forward vs KV tokens with one intercept per
     (R, B) shape): 0.69 µs a KV token at one token per request (no-spec, 47,562 steps), 1.16 at
     four (fixed:3), 1.39 at eight (verify-all); one κ fitted over the start-up grid's mix read
-    1.10, which priced a plain R = 64 step at 12 k KV tokens ~5 ms (20 %) above what it took."""
+    1.08-1.10, which priced a plain R = 64 step at 12 k KV tokens ~5 ms (20 %) above its time."""
 
     bias_s: float
     alpha: Curve  # seconds vs R
