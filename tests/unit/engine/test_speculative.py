@@ -533,8 +533,15 @@ def test_lagged_k_memo_changes_no_decision(
     prior, SPS curve, requests and caps). Run for run, every step's K and every token are those
     of a planner that recomputes K each step (including when a probe moves K off 0), and the
     memo does skip most recomputations in K = 0 stretches. A search every step
-    (`replan_every` = 1): the pins (K = 0 ones included) skip searches the memo would see."""
+    (`replan_every` = 1): the pins (K = 0 ones included) skip searches the memo would see. The
+    inputs K learns from wall-clock step times (the step-kind bias, the resume charge's
+    projection price, the resumed drafter's excess) are off: with them the two runs see
+    different inputs whatever the memo does (a clean-clone run, 2026-12-06: K 0 against 4 at
+    one free-drafter step)."""
     from dspark_sglang.engine.planner import VerifyPlanner
+
+    untimed = {"replan_every": 1, "step_bias": False, "resume_charge": False}
+    monkeypatch.setattr(VerifyPlanner, "_learn_resume", lambda self, rows, seconds: None)
 
     target, _ = pair
     ps = prompts(3, seed=5)
@@ -552,13 +559,11 @@ def test_lagged_k_memo_changes_no_decision(
 
         monkeypatch.setattr(VerifyPlanner, "_memo_k", counted)
         if scenario == "probes-out":  # K = 0 until probes see the drafter is always right
-            spec = lagged_with_costly_drafter(pair, tmp_path, replan_every=1)
+            spec = lagged_with_costly_drafter(pair, tmp_path, **untimed)
             spec.runner.draft = ContinuationDrafter(spec, want, bad=0.0)  # type: ignore[method-assign]
         else:
             draft_s = 1.0 if scenario == "never-pays" else 0.0
-            spec = lagged_on_fixed_curve(
-                pair, tmp_path, draft_s, max_running_requests=3, replan_every=1
-            )
+            spec = lagged_on_fixed_curve(pair, tmp_path, draft_s, max_running_requests=3, **untimed)
         recs: list[StepRecord] = []
         spec.on_step = recs.append
         outs = spec.generate(ps, GREEDY)
