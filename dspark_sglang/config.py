@@ -254,6 +254,11 @@ class DraftConfig:
     # buckets of its own and to start-up profiling (docs/capacity.md "Row tiers")
     capacity_tiers: bool = True
     min_user_tps: float = 0.0  # SLA floor on each request's expected tokens/s (0 = off)
+    # lagged mode: a K must keep every request's expected tokens/s at or above this fraction of
+    # what a plain step gives it (0 = off; 1 = speculation never slows a request it does not
+    # pay for). A drafting step lasts longer for the whole batch, and a request whose drafts are
+    # rejected (or not drafted) pays that without the tokens: under load those fall behind.
+    user_rate_floor: float = 0.0
     # lagged mode: plan the next step's K on a worker thread while this step runs. None = where
     # that hides anything: CUDA, whose kernels run while the host plans. A CPU forward is the host
     # itself: the thread only contends with it (in-process, c = 1-8, steps ran 0-2.1 ms slower
@@ -309,6 +314,8 @@ class DraftConfig:
             )
         if self.min_user_tps < 0:
             raise ConfigError("--min-user-tps must be >= 0")
+        if not 0.0 <= self.user_rate_floor <= 1.0:
+            raise ConfigError(f"--user-rate-floor must be in [0, 1], got {self.user_rate_floor}")
         if not (
             math.isfinite(self.draft_price_prior_weight) and self.draft_price_prior_weight >= 0
         ):

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "packed products pad it to (default: the tiers, where the engine has them)",
     )
     a("--min-user-tps", type=float, default=dc.min_user_tps, help="per-request tokens/s floor")
+    a(
+        "--user-rate-floor",
+        type=float,
+        default=dc.user_rate_floor,
+        help="lagged: keep every request's expected tokens/s at or above this fraction of a "
+        "plain step's (0 = off, 1 = speculation never slows a request; docs/scheduler.md)",
+    )
     ov = p.add_mutually_exclusive_group()
     ov.add_argument(
         "--enable-overlap-schedule",
@@ -318,6 +325,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             startup_profile_rounds=args.startup_profile_rounds,
             capacity_tiers=args.capacity_tiers,
             min_user_tps=args.min_user_tps,
+            user_rate_floor=args.user_rate_floor,
             overlap=args.overlap,
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,

@@ -254,6 +254,7 @@ class LLMEngine:
             cfg.step_bias_prior,
             cfg.resume_charge,
             cfg.draft_price_prior_weight,
+            cfg.user_rate_floor,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

@@ -322,8 +322,11 @@ class VerifyPlanner:
         step_bias_prior: float = 0.0,
         resume_charge: bool = False,
         draft_price_prior_weight: float = DRAFT_PRIOR_WEIGHT,
+        user_rate_floor: float = 0.0,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
+        # lagged: the fraction of its plain-step rate every request's expected rate keeps
+        self.user_rate_floor = user_rate_floor if mode.name == "lagged" else 0.0
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
         self.selective = selective and mode.name == "lagged" and capacity is not None
         self.explore_ratio = explore_ratio
@@ -895,7 +898,7 @@ class VerifyPlanner:
         sps, draft = _biased(sps, draft, ids.size, bias)
         sps, draft = _resume_charged(sps, draft, ids.size, resume)
         lagged, hit = _shrunk_lagged(history, ids, self.mode.lag, prior, pool, rho)
-        tps = self.min_user_tps
+        tps = self._floor_tps(sps, ids.size)
         absent = ~hit
         fill = None
         if pool is not None and pool.shape[0] >= POOL_MIN and np.count_nonzero(absent) >= 2:
@@ -920,7 +923,7 @@ class VerifyPlanner:
         k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
         if k_all > 0 and theta_all > theta:
             return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
-        if explore:
+        if explore and not (k_all == 0 and self.user_rate_floor > 0.0):
             if k_all == 0:  # the best plan that drafts: every row verifies at least one draft
                 once = np.minimum(np.asarray(max_len), 1)
                 k_all, _, theta_all = selective_k(
@@ -929,6 +932,17 @@ class VerifyPlanner:
             if k_all > 0 and theta_all >= self.explore_ratio * theta:
                 return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
         return k, rows, planned
+
+    def _floor_tps(self, sps: np.ndarray, r: int) -> float:
+        """The per-request tokens/s floor a K search keeps: `min_user_tps`, or `user_rate_floor`
+        times a plain step's rate (one token per SPS(R) step, uncharged), whichever is higher.
+        K = 0 always meets the relative floor, so it only ever turns drafting down: no K whose
+        longer step leaves some request (undrafted, or with little survival) below the fraction
+        of its plain rate. Exploration then only tests plans that meet it."""
+        tps = self.min_user_tps
+        if self.user_rate_floor > 0.0 and sps.size > r:
+            tps = max(tps, self.user_rate_floor * float(sps[r]))
+        return tps
 
     def _lagged_k(
         self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray

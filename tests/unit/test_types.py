@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_sglang.config import CacheConfig, ConfigError, ModelConfig, SchedConfig
+from dspark_sglang.config import CacheConfig, ConfigError, DraftConfig, ModelConfig, SchedConfig
 from dspark_sglang.types import SamplingParams, ScheduledSeq, StepPlan
 
 
@@ -37,6 +37,8 @@ def test_bad_sampling_params(kwargs: dict, match: str) -> None:
         (lambda: SchedConfig(max_running_requests=0), "--max-running-requests"),
         (lambda: SchedConfig(max_num_batched_tokens=4), "--max-num-batched-tokens"),
         (lambda: SchedConfig(chunked_prefill_size=0), "--chunked-prefill-size"),
+        (lambda: DraftConfig(user_rate_floor=1.5), "--user-rate-floor"),
+        (lambda: DraftConfig(user_rate_floor=-0.1), "--user-rate-floor"),
     ],
 )
 def test_bad_config_values_name_the_flag(build: object, match: str) -> None:

@@ -265,6 +265,36 @@ def test_selective_lagged_drafts_the_rows_k_admits_and_carries_the_rest_forward(
     assert k > 0 and free.draft_rows(ids, k, max_len) is None
 
 
+def test_the_user_rate_floor_turns_down_a_k_that_slows_the_requests_it_does_not_pay_for() -> None:
+    """The selective setting above (one confident request of four; forwards 80 ms, drafting one
+    row 25 ms): K = 4 drafts request 3 alone and the other three wait 105 ms for one token each,
+    0.76 of their plain rate. A floor of 1 refuses that K, a floor of 0.5 keeps it; drafting all
+    four confident requests raises every one's rate, so even a floor of 1 keeps it."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+
+    draft = Curve((1.0, 64.0), (0.025, 1.285))
+    cap = CapacityModel(TableModel((1, 256), (0.08, 0.08)), draft=draft)
+    mode = parse_schedule_mode("lagged")
+    ids, max_len = [3, 5, 7, 9], np.array([4, 4, 4, 4])
+    one = np.array([[4.0] * 4] + [[-4.0] * 4] * 3)
+    every = np.full((4, 4), 4.0)
+
+    def k_of(logits: np.ndarray, floor: float) -> int:
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, True, user_rate_floor=floor)
+        p.plan(ids, logits, max_len, 40, 0)
+        p.plan(ids, logits, max_len, 40, 0)
+        return p.budget(ids, max_len, 40)
+
+    assert k_of(one, 0.0) == 4 and k_of(one, 0.5) == 4 and k_of(one, 1.0) == 0
+    assert k_of(every, 0.0) > 0 and k_of(every, 1.0) == k_of(every, 0.0)
+    # only lagged plans K before drafting: the floor is not read elsewhere
+    sync = VerifyPlanner(
+        parse_schedule_mode("sync"), 4, cap, None, False, 0.0, False, True, user_rate_floor=1.0
+    )
+    assert sync.user_rate_floor == 0.0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_selective_rows_index_the_batch_the_step_drafts(overlap: bool) -> None:
     """draft_rows names rows of the batch passed to it, the ones its K admits under the lagged
