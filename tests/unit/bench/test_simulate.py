@@ -306,9 +306,18 @@ def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path
     for r in rep["rows"]:
         assert r["real_throughput"] > 0 and r["sim_throughput"] > 0
         assert r["within_10pct"] == (abs(r["error"]) <= 0.10)
-        assert 0.2 < r["host_speed"] < 5.0 and r["sim_throughput_unindexed"] > 0
+        assert r["sim_throughput_unindexed"] > 0
         # Two interleaved runs per load; the row compares their medians.
         assert r["repeats"] == len(r["runs"]) == 2
+        # A run's host speed is its B = 1 forward over the profile's (how far this host is from
+        # the profile's is the host's business: 5.7x on a slow shared one), the row's their median
+        for run in r["runs"]:
+            speeds = run["host_speed_by_batch"]
+            assert all(np.isfinite(speeds)) and min(speeds) > 0
+            assert run["host_speed"] == speeds[0]
+        assert r["host_speed"] == pytest.approx(
+            float(np.median([x["host_speed"] for x in r["runs"]]))
+        )
         real = [x["real_throughput"] for x in r["runs"]]
         assert r["real_throughput"] == pytest.approx(float(np.median(real)))
         paired = [x["sim_throughput"] / x["real_throughput"] - 1 for x in r["runs"]]
@@ -327,7 +336,7 @@ def test_validate_cli_calibrates_and_compares_on_the_bundled_pair(tmp_path: Path
         assert r["host_speed"] == 1.0
         assert r["sim_throughput_unindexed"] == pytest.approx(r["sim_throughput"])
     drift = rep["calibration_forward_vs_profile_by_batch"]
-    assert drift and all(0.2 < v < 5.0 for v in drift.values())
+    assert drift and all(np.isfinite(v) and v > 0 for v in drift.values())
     assert {"overhead", "overhead_lagged", "draft", "prefill"} <= set(rep)
 
 
