@@ -217,6 +217,19 @@ def tool_version() -> str:
 # ---- measured: from `python -m dspark_sglang.profile --json` ---------------------------------
 
 
+def _crossovers(hw: dict[str, Any]) -> str:
+    """`--cpu-gemm auto`'s measured choice, for the provenance notes."""
+    cross = hw.get("cpu_gemm_crossovers")
+    if not isinstance(cross, dict) or not cross:
+        return ""
+    onednn = [
+        f"{shape} at {span[0]}-{span[1]} rows" if span[1] is not None else f"{shape} from {span[0]}"
+        for shape, span in cross.items()
+        if isinstance(span, list | tuple) and len(span) == 2
+    ]
+    return "; oneDNN " + (", ".join(onednn) if onednn else "for none") + ", MKL otherwise"
+
+
 def profile_from_report(
     report: dict[str, Any],
     *,
@@ -281,7 +294,7 @@ def profile_from_report(
             f"{report.get('dtype')}"
             + (f", drafter {report['draft_dtype']}" if "draft_dtype" in report else "")
             + f", device {report.get('device')}"
-            + (f" ({hw['cpu_gemm']} fp32 products)" if "cpu_gemm" in hw else "")
+            + (f" ({hw['cpu_gemm']} fp32 products{_crossovers(hw)})" if "cpu_gemm" in hw else "")
             + f", torch {report.get('torch')}; "
             f"fit_{kind} in algo/capacity_fit",
         },

@@ -40,7 +40,7 @@ from dspark_sglang.engine.profiler import (
 from dspark_sglang.engine.runner import ModelRunner, draft_precision
 from dspark_sglang.hostinfo import cpu_model
 from dspark_sglang.models.attention import create_backend
-from dspark_sglang.models.cpu_gemm import use_onednn
+from dspark_sglang.models.cpu_gemm import measured_shapes
 from dspark_sglang.models.loader import torch_dtype
 from dspark_sglang.models.target import Qwen3ForCausalLM
 
@@ -122,9 +122,10 @@ def make_grid(args: argparse.Namespace) -> list[GridPoint]:
 
 def profile(
     model_path: str, args: argparse.Namespace
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], tuple[int, ...]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], tuple[int, ...], str]:
     """(target forward points, drafter points: one drafting pass per R, empty without a
-    drafter; the token counts the target's forward executes at, the runner's row tiers)."""
+    drafter; the token counts the target's forward executes at, the runner's row tiers; what
+    multiplied its fp32 weights, ModelRunner.cpu_gemm)."""
     points = make_grid(args)
     page_size = CacheConfig().page_size
     # Size the pool to the largest point exactly: the default byte budget may be too small for a
@@ -167,7 +168,7 @@ def profile(
         for r in sorted({*args.num_reqs, *args.batch_sizes}):
             secs = time_draft(runner, pool, r, ctx, args.repeats, args.warmup, gen)
             drafts.append({"R": r, "ctx": ctx, "median_s": secs})
-    return rows, drafts, runner.row_tiers
+    return rows, drafts, runner.row_tiers, runner.cpu_gemm
 
 
 def _int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             if model_path is None:
                 write_synthetic_model(Path(tmp))
                 model_path = tmp
-            points, draft_points, tiers = profile(model_path, args)
+            points, draft_points, tiers, gemm = profile(model_path, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -351,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": {
             "cpu": cpu_model(),
             "num_threads": torch.get_num_threads(),
-            "cpu_gemm": "onednn" if use_onednn(args.cpu_gemm, args.device) else "mkl",
+            "cpu_gemm": gemm,
+            # auto: per "KxN" weight shape, the rows from which oneDNN multiplied (null: never)
+            **({"cpu_gemm_crossovers": measured_shapes()} if gemm == "auto" else {}),
         },
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "dspark_sglang.profile", *argv]),

@@ -5,9 +5,10 @@ at several row counts M three ways, on one thread by default: MKL on the checkpo
 [N, K] weight, MKL on the same weight stored column-major (what `--cpu-gemm mkl` runs:
 models/weight_layout.py), and packed oneDNN. It prints the medians and the ratios, with the row
 count from which `--cpu-gemm onednn` sends a product to oneDNN
-(models/cpu_gemm.crossover_rows). Run it to decide `--cpu-gemm` on a CPU the auto rule does not
-know (auto = oneDNN on AMD CPUs). `--cold` cycles through enough copies of each weight to
-overflow the last-level cache, as a model larger than it does.
+(models/cpu_gemm.crossover_rows) and the rows `--cpu-gemm auto` would give oneDNN from these
+timings (models/cpu_gemm.onednn_rows; the engine times its own probes at load). `--cold` cycles
+through enough copies of each weight to overflow the last-level cache, as a model larger than
+it does.
 """
 
 from __future__ import annotations
@@ -114,11 +115,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(c))
             continue
         cross = cpu_gemm.crossover_rows(k, n)
+        span = cpu_gemm.onednn_rows([(c["rows"], c["mkl_col_us"], c["onednn_us"]) for c in cells])
+        auto = (
+            "none"
+            if span is None
+            else f"{span[0]}+"
+            if span[1] == cpu_gemm.ALL_ROWS
+            else f"{span[0]}-{span[1]}"
+        )
         line = "  ".join(
             f"M={c['rows']}: {c['mkl_us']:.0f}/{c['mkl_col_us']:.0f}/{c['onednn_us']:.0f} us"
             for c in cells
         )
-        print(f"[M, {k}] x [{k}, {n}] (oneDNN from {cross} rows)  {line}", flush=True)
+        print(
+            f"[M, {k}] x [{k}, {n}] (onednn: from {cross} rows; auto: {auto})  {line}", flush=True
+        )
     return 0
 
 

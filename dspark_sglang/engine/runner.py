@@ -18,7 +18,15 @@ from dspark_sglang.engine.malloc_tuning import keep_freed_memory
 from dspark_sglang.engine.speculative import DraftBatch, Proposal, length_groups
 from dspark_sglang.hostinfo import CPUINFO, cpu_fields
 from dspark_sglang.models.attention import ForwardContext, forward_context
-from dspark_sglang.models.cpu_gemm import pack_model, row_tiers, use_onednn, warm_up
+from dspark_sglang.models.cpu_gemm import (
+    fitted_crossover,
+    gemm_mode,
+    measured_crossover,
+    pack_model,
+    packed_share,
+    row_tiers,
+    warm_up,
+)
 from dspark_sglang.models.drafter import DSparkDrafter
 from dspark_sglang.models.loader import load_drafter, load_target, read_draft_arch, torch_dtype
 from dspark_sglang.models.moe import ExpertParallel
@@ -86,15 +94,20 @@ class ModelRunner:
         # the token counts a target forward executes at (the capacity model's buckets); () =
         # exactly the batch's tokens
         self.row_tiers: tuple[int, ...] = ()
-        if use_onednn(model_cfg.cpu_gemm, self.device):
-            packed = pack_model(self.model, max_rows)
-            if packed:  # an fp32 target: its products pad their rows to the grid
+        # what multiplies the fp32 weights: "mkl", "onednn", "auto" (timed at load) or "none"
+        mode = gemm_mode(model_cfg.cpu_gemm, self.device)
+        self.cpu_gemm = "auto" if mode == "measured" else mode
+        drafters = [self.drafter] if self.drafter is not None else []
+        if mode in ("onednn", "measured"):
+            cross = measured_crossover if mode == "measured" else fitted_crossover
+            packed = pack_model(self.model, max_rows, cross)
+            if packed_share(self.model, max_rows) > 0.5:  # most products pad their rows to the grid
                 self.row_tiers = row_tiers(max_rows)
-            if self.drafter is not None:
-                packed += pack_model(self.drafter, max_rows)
+            for d in drafters:
+                packed += pack_model(d, max_rows, cross)
             warm_up(packed)
-        elif self.device.startswith("cpu"):  # MKL: fp32 products read column-major weights
-            column_major_weights(self.model, *([self.drafter] if self.drafter is not None else []))
+        if mode in ("mkl", "measured"):  # MKL's products read column-major weights
+            column_major_weights(self.model, *drafters)
         limit = model_cfg.max_model_len or self.arch.max_position_embeddings
         if limit > self.arch.max_position_embeddings:
             raise ConfigError(

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from dspark_sglang.config import ArchConfig
 from dspark_sglang.models.attention import current_context
-from dspark_sglang.models.cpu_gemm import PackedWeight
+from dspark_sglang.models.cpu_gemm import Crossover, PackedWeight, packed_weight
 
 
 class ExpertParallel:
@@ -70,16 +70,21 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         # per expert (gate_up, down) packed for oneDNN (models/cpu_gemm.py), when packed
-        self.gemm: list[tuple[PackedWeight, PackedWeight]] | None = None
+        self.gemm: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
 
-    def pack_gemm(self, max_rows: int) -> list[PackedWeight]:
+    def pack_gemm(self, max_rows: int, crossover: Crossover) -> list[PackedWeight]:
         if self.gate_up_proj.dtype != torch.float32:
             return []
-        self.gemm = [
-            (PackedWeight(gu, None, max_rows), PackedWeight(dn, None, max_rows))
+        gemm = [
+            (
+                packed_weight(gu, None, max_rows, crossover),
+                packed_weight(dn, None, max_rows, crossover),
+            )
             for gu, dn in zip(self.gate_up_proj, self.down_proj, strict=True)
         ]
-        return [w for pair in self.gemm for w in pair]
+        out = [w for pair in gemm for w in pair if w is not None]
+        self.gemm = gemm if out else None
+        return out
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor

@@ -236,6 +236,20 @@ def test_profile_from_report_fits_the_points(tmp_path: Path) -> None:
         profile_from_report(report, name="x", gamma=4, kind="cubic")
 
 
+def test_the_notes_say_what_cpu_gemm_auto_chose() -> None:
+    report = synthetic_report()
+    report["hardware"] |= {
+        "cpu_gemm": "auto",
+        "cpu_gemm_crossovers": {"256x4096": [2, 63], "256x256": None, "64x4096": [4, None]},
+    }
+    notes = profile_from_report(report, name="x", gamma=4)["provenance"]["notes"]
+    want = "(auto fp32 products; oneDNN 256x4096 at 2-63 rows, 64x4096 from 4, MKL otherwise)"
+    assert want in notes
+    report["hardware"]["cpu_gemm_crossovers"] = {"256x256": None}
+    notes = profile_from_report(report, name="x", gamma=4)["provenance"]["notes"]
+    assert "(auto fp32 products; oneDNN for none, MKL otherwise)" in notes
+
+
 def test_profile_cli_json_feeds_a_profile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

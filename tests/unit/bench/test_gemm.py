@@ -38,3 +38,10 @@ def test_bad_rows_are_a_clear_error() -> None:
         gemm.main(["--rows", "1,x"])
     with pytest.raises(SystemExit, match="positive"):
         gemm.main(["--rows", "0"])
+
+
+def test_text_lines_name_both_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gemm.main(["--shapes", "32x16", "--rows", "2,4", "--repeats", "3"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("[M, 32] x [32, 16] (onednn: from 16 rows; auto: ")
+    assert "M=2: " in line and "M=4: " in line

@@ -183,6 +183,40 @@ def test_the_planner_prices_the_tier_the_runner_executes(
         assert llm.runner.row_tiers == (() if gemm == "mkl" else row_tiers(64))
 
 
+def test_auto_packs_what_it_measured_faster_and_lays_out_the_rest_for_mkl(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cpu-gemm auto: oneDNN takes the rows it measured faster on (here, by a stand-in timer:
+    the LM heads at 2-15 rows), every other product reads a column-major weight through MKL,
+    the forward keeps exact token counts (no row tiers), and greedy speculative output equals
+    plain decoding."""
+    from dspark_sglang.models import cpu_gemm
+
+    def timer(k: int, n: int, rows: int, bias: bool) -> tuple[float, float]:
+        return 1.0, (0.5 if n == VOCAB and rows <= 8 else 2.0)
+
+    monkeypatch.setattr(cpu_gemm, "time_product", timer)
+    monkeypatch.setattr(cpu_gemm, "_measured", {})
+    target, drafter = pair
+    ps = [[(7 * i + j) % VOCAB for j in range(3 + i)] for i in range(6)]
+    base = LLM(str(target), num_blocks=128, page_size=4, cpu_gemm="mkl").generate(ps, GREEDY)
+    spec = LLM(str(target), draft_model=str(drafter), num_blocks=128, page_size=4)
+    t, d = spec.runner.model, spec.runner.drafter
+    assert d is not None and spec.runner.cpu_gemm == "auto"
+    assert type(t.lm_head) is PackedLinear
+    assert (t.lm_head.gemm.min_rows, t.lm_head.gemm.max_rows) == (2, 15)
+    attn = t.model.layers[0].self_attn
+    assert (
+        type(attn.q_proj) is torch.nn.Linear and attn.q_proj.weight.transpose(0, 1).is_contiguous()
+    )
+    assert all(m.gemm is None for m in t.modules() if hasattr(m, "pack_gemm"))
+    assert spec.runner.row_tiers == ()
+    assert cpu_gemm.measured_shapes()[f"64x{VOCAB}"] == [2, 15]
+    outs = spec.generate(ps, GREEDY)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in base]
+    assert spec.stats.rounds > 0
+
+
 def test_mkl_products_read_column_major_weights_and_stay_lossless(pair: tuple[Path, Path]) -> None:
     """--cpu-gemm mkl: the target's and the drafter's fp32 linears, router and experts are laid
     out column-major (models/weight_layout.py), the tied LM head is one copy the drafter still

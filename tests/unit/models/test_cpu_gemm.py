@@ -1,9 +1,7 @@
 """oneDNN-packed fp32 products: the row grid, the crossover, the same outputs as nn.Linear and the
-MoE experts, what pack_model converts, and which CPUs `auto` packs on."""
+MoE experts, what pack_model converts, and what `auto` measures and packs."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +16,13 @@ from dspark_sglang.models.cpu_gemm import (
     PackedLinear,
     PackedWeight,
     crossover_rows,
+    gemm_mode,
     grid_rows,
     grid_sizes,
+    onednn_rows,
     pack_model,
+    packed_share,
     row_tiers,
-    use_onednn,
 )
 from dspark_sglang.models.moe import SparseMoeBlock
 from dspark_sglang.models.row_buckets import RowBucketedLinear, bucket_linears
@@ -143,15 +143,67 @@ def test_warm_up_builds_each_grid_size_once_per_distinct_product(
     assert seen == [(256, 512), (512, 256)]  # the third shares the first's kernels
 
 
-def test_auto_packs_on_amd_cpus_only(tmp_path: Path) -> None:
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n")
-    assert use_onednn("auto", "cpu", str(info))
-    assert not use_onednn("auto", "cuda:0", str(info))
-    assert not use_onednn("mkl", "cpu", str(info))
-    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
-    assert not use_onednn("auto", "cpu", str(info))
-    assert use_onednn("onednn", "cpu", str(info))
-    assert not use_onednn("auto", "cpu", str(tmp_path / "absent"))
+def test_gemm_mode_packs_on_the_cpu_only_and_auto_measures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert gemm_mode("auto", "cpu") == "measured"
+    assert gemm_mode("onednn", "cpu") == "onednn" and gemm_mode("mkl", "cpu") == "mkl"
+    assert {gemm_mode(c, "cuda:0") for c in ("auto", "onednn", "mkl")} == {"none"}
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    assert gemm_mode("auto", "cpu") == "mkl"  # a torch without oneDNN: MKL, silently
+    with pytest.raises(ConfigError, match="--cpu-gemm onednn"):
+        gemm_mode("onednn", "cpu")
     with pytest.raises(ConfigError, match="--cpu-gemm"):
         ModelConfig("m", cpu_gemm="blas")
+
+
+def test_onednn_takes_the_run_of_probes_where_it_saved_most() -> None:
+    def times(saving: list[float]) -> list[tuple[int, float, float]]:
+        return [(2 << i, 1.0, 1.0 - s) for i, s in enumerate(saving)]  # rows 2, 4, 8, ...
+
+    assert onednn_rows(times([-0.5, -0.2, -0.1, -0.05])) is None  # MKL everywhere (Zen 3)
+    assert onednn_rows(times([0.02, 0.01, 0.0, -0.01])) is None  # ties are MKL's (3 % margin)
+    assert onednn_rows(times([-0.5, -0.1, 0.3, 0.5])) == (8, cpu_gemm.ALL_ROWS)  # Zen 5-like
+    # a clear win at few rows, ties above: the ties do not veto it, the range ends below them
+    assert onednn_rows(times([0.2, 0.4, 0.3, -0.02, -0.04])) == (2, 15)
+    # one near-tie inside a winning run does not split it
+    assert onednn_rows(times([0.2, 0.01, 0.3, 0.3])) == (2, cpu_gemm.ALL_ROWS)
+    # two runs: the larger summed saving wins
+    assert onednn_rows(times([0.1, -0.5, 0.2, 0.2, -0.5])) == (8, 31)
+
+
+def test_auto_times_each_shape_once_a_process_and_packs_what_it_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[int, int, int, bool]] = []
+
+    def fake(k: int, n: int, rows: int, bias: bool) -> tuple[float, float]:
+        calls.append((k, n, rows, bias))
+        return 1.0, (0.5 if n == 512 and rows <= 8 else 2.0)  # oneDNN wins 256x512 at <= 8 rows
+
+    monkeypatch.setattr(cpu_gemm, "time_product", fake)
+    monkeypatch.setattr(cpu_gemm, "_measured", {})
+    net = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False))
+    packed = pack_model(net, max_rows=64, crossover=cpu_gemm.measured_crossover)
+    assert type(net[0]) is PackedLinear and type(net[1]) is nn.Linear  # MKL only: left as is
+    assert [(w.min_rows, w.max_rows) for w in packed] == [(2, 15)]
+    assert len(calls) == 2 * len(cpu_gemm.PROBE_ROWS)
+    again = nn.Sequential(nn.Linear(256, 512, bias=False))
+    pack_model(again, max_rows=64, crossover=cpu_gemm.measured_crossover)
+    assert len(calls) == 2 * len(cpu_gemm.PROBE_ROWS)  # memoised: one choice per process
+    assert cpu_gemm.measured_shapes() == {"256x512": [2, 15], "512x256": None}
+    x = torch.randn(5, 256)
+    with torch.no_grad():  # 5 rows go through oneDNN, 20 through MKL: the same products
+        torch.testing.assert_close(net[0](x), F.linear(x, net[0].weight), rtol=1e-5, atol=1e-5)
+        y = torch.randn(20, 256)
+        assert torch.equal(net[0](y), F.linear(y, net[0].weight))
+    # the row grid governs a forward only when most weights pad from few rows to the top
+    assert packed_share(net, 64) == 0.0
+    full = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 8))
+    pack_model(full, max_rows=64)
+    assert packed_share(full, 64) == 1.0
+
+
+def test_time_product_times_both_paths_on_this_cpu() -> None:
+    mkl, dnn = cpu_gemm.time_product(64, 128, 4, True)
+    assert 0 < mkl < 0.1 and 0 < dnn < 0.1
