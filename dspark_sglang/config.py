@@ -174,8 +174,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tap_layer_ids: tuple[int, ...] = ()  # DeepSpec semantics: id L = residual output of layer L
     attention_backend: str = "torch_sdpa"
-    # fp32 products on the CPU: oneDNN on packed weights, or torch's default (MKL); auto =
-    # oneDNN on AMD CPUs, where it measured 2-3x faster (models/cpu_gemm.py)
+    # fp32 products on the CPU: oneDNN on packed weights, or torch's default (MKL); auto = each
+    # product shape timed both ways at load, oneDNN for the rows it won (models/cpu_gemm.py)
     cpu_gemm: str = "auto"
     # CPU engines: freed heap memory the process keeps mapped for the next step's temporaries
     # instead of returning it to the kernel and faulting it back in (engine/malloc_tuning.py;

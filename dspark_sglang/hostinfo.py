@@ -36,9 +36,16 @@ def cpu_fields(cpuinfo: str = CPUINFO) -> dict[str, str]:
 
 
 def cpu_model(cpuinfo: str = CPUINFO) -> str:
-    """e.g. 'AMD EPYC 9B45' or 'Intel(R) Xeon(R) Processor'; the architecture where unknown."""
-    name = cpu_fields(cpuinfo).get("model name", "")
-    return name or platform.processor() or platform.machine() or "unknown cpu"
+    """e.g. 'AMD EPYC 9B45 (family 26 model 2)' or 'Intel(R) Xeon(R) Processor (family 6 model
+    207)'; the architecture where unknown. The family and model numbers are there because a VM
+    may name only the line ('AMD EPYC' was a Zen 5 one day and a Zen 3 on 2026-12-06, with
+    different GEMM speeds)."""
+    fields = cpu_fields(cpuinfo)
+    name = fields.get("model name", "")
+    if not name:
+        return platform.processor() or platform.machine() or "unknown cpu"
+    family, model = fields.get("cpu family"), fields.get("model")
+    return f"{name} (family {family} model {model})" if family and model else name
 
 
 def cpu_vendor(cpuinfo: str = CPUINFO) -> str:

@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CPU_GEMMS,
         default=_defaults(ModelConfig).cpu_gemm,
         help="fp32 products on the CPU: oneDNN on weights packed at load, or torch's MKL "
-        "(auto: oneDNN on AMD CPUs, where it measured 2-3x faster)",
+        "(auto: each product shape timed both ways at load, oneDNN for the rows it won)",
     )
     a(
         "--cpu-malloc-keep-mib",

@@ -254,8 +254,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cpu-gemm",
         choices=CPU_GEMMS,
         default="auto",
-        help="fp32 products on the CPU: oneDNN on packed weights, or torch's MKL (auto: oneDNN "
-        "on AMD CPUs); profile with the engine's setting",
+        help="fp32 products on the CPU: oneDNN on packed weights, or torch's MKL (auto: each "
+        "product shape timed both ways at load, oneDNN for the rows it won); profile with the "
+        "engine's setting",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line to stdout")

@@ -27,6 +27,15 @@ def test_reads_the_first_processors_block(tmp_path: Path) -> None:
     assert cpu_vendor(str(info)) == "GenuineIntel"
 
 
+def test_the_model_carries_family_and_model_numbers(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+        "model name\t: AMD EPYC\n"
+    )
+    assert cpu_model(str(info)) == "AMD EPYC (family 25 model 1)"
+
+
 def test_a_missing_cpuinfo_falls_back_to_the_architecture(tmp_path: Path) -> None:
     absent = str(tmp_path / "absent")
     assert cpu_fields(absent) == {}
