@@ -18,8 +18,8 @@ does not grow with traffic.
 Which products oneDNN pays on depends on the CPU more than the vendor: on a Zen 3 EPYC (AVX2, no
 AVX-512; 2026-12-06) MKL ran 60-90 GFLOP/s and oneDNN paid about 25 us a call, so oneDNN lost
 every product of the bundled pair but the 4096-wide LM heads. `--cpu-gemm auto` therefore times
-each distinct product shape both ways at load (`measured_crossover`: PROBE_ROWS, about 0.5 s for
-the bundled pair) and packs a weight only for the rows from which oneDNN won every larger probe;
+each distinct product shape both ways at load (`measured_crossover`: PROBE_ROWS, about 1 s for
+the bundled pair) and packs a weight only for the rows where oneDNN saved time (`onednn_rows`);
 `--cpu-gemm onednn` keeps the fitted `crossover_rows` below.
 """
 
@@ -102,11 +102,11 @@ def fitted_crossover(k: int, n: int, bias: bool) -> tuple[int, int]:
 def onednn_rows(times: list[tuple[int, float, float]]) -> tuple[int, int] | None:
     """(rows, MKL seconds, oneDNN seconds) by increasing rows -> the rows oneDNN should take:
     the run of consecutive probes where its relative saving (MKL - oneDNN) / MKL, less a 3 %
-    margin, sums highest,
-    from its first probe to just below the probe after it (every row above the last probe when
-    the run ends there); None when no run saves anything. A run rather than single probes, so a
-    near-tie at one probe does not split the range (a product in between takes its neighbours'
-    path), and a sum, so a tie at the large products does not veto a clear win at the small."""
+    margin, sums highest, from its first probe to just below the probe after it (every row above
+    the last probe when the run ends there); None when no run saves anything. A run rather than
+    single probes, so a near-tie at one probe does not split the range (a product in between
+    takes its neighbours' path), and a sum, so a tie at the large products does not veto a clear
+    win at the small."""
     best, best_span = 0.0, None
     acc, start = 0.0, 0
     for i, (_, mkl, dnn) in enumerate(times):
