@@ -6,6 +6,7 @@ block tables: position p of a sequence sits in the same slot in both pools.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from dspark_sglang.models.cpu_gemm import (
     fitted_crossover,
     gemm_mode,
     measured_crossover,
+    measured_shapes,
     pack_model,
     packed_share,
     row_tiers,
@@ -32,6 +34,8 @@ from dspark_sglang.models.loader import load_drafter, load_target, read_draft_ar
 from dspark_sglang.models.moe import ExpertParallel
 from dspark_sglang.models.row_buckets import bucket_linears
 from dspark_sglang.models.weight_layout import column_major_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,6 +110,13 @@ class ModelRunner:
             for d in drafters:
                 packed += pack_model(d, max_rows, cross)
             warm_up(packed)
+            if mode == "measured":
+                chosen = measured_shapes()
+                log.info(
+                    "--cpu-gemm auto: oneDNN for %s; MKL for the rest",
+                    ", ".join(f"{k} rows {v[0]}-{v[1] or 'up'}" for k, v in chosen.items() if v)
+                    or "no product",
+                )
         if mode in ("mkl", "measured"):  # MKL's products read column-major weights
             column_major_weights(self.model, *drafters)
         limit = model_cfg.max_model_len or self.arch.max_position_embeddings
