@@ -591,18 +591,30 @@ def _tokens_by(o: Outcome, t: float) -> int:
     return o.token_times[i - 1][1] if i else 0
 
 
-def steady_throughput(outcomes: Sequence[Outcome], concurrency: int) -> dict[str, Any]:
+# A steady window shorter than this share of the run, or with fewer output tokens than this many
+# per slot, is reported as none: with two prompts per slot at c = 16-64 the last send comes a
+# step or two after the first wave ends, and one step's burst over a few milliseconds read
+# 4,000-21,000 tok/s (sweeps s52_auto, s53_full).
+STEADY_MIN_SHARE, STEADY_MIN_TOKENS_PER_SLOT = 0.25, 8
+
+
+def steady_throughput(
+    outcomes: Sequence[Outcome], concurrency: int, duration: float
+) -> dict[str, Any]:
     """Output tok/s inside the steady window, counted from the servers' continuous usage
     (per token, not per chunk: a speculative step streams several tokens at once). Both keys
-    None without a window or without continuous usage on every request."""
+    None without a window, with one too short to measure (STEADY_MIN_SHARE of `duration`,
+    STEADY_MIN_TOKENS_PER_SLOT), or without continuous usage on every request."""
     none = {"steady_output_throughput": None, "steady_window_s": None}
     win = steady_window(outcomes, concurrency)
     ok = [o for o in outcomes if o.success]
     if win is None or not all(o.token_times for o in ok):
         return none
     t0, t1 = win
+    if t1 - t0 < STEADY_MIN_SHARE * duration:
+        return none
     n = sum(_tokens_by(o, t1) - _tokens_by(o, t0) for o in ok)
-    if n == 0:  # a window shorter than a step: nothing to measure
+    if n < STEADY_MIN_TOKENS_PER_SLOT * concurrency:
         return none
     return {"steady_output_throughput": n / (t1 - t0), "steady_window_s": t1 - t0}
 
@@ -651,7 +663,7 @@ def compute_metrics(
     res["spec_rounds"] = rounds
     res["spec_accepted_drafts"] = sum(o.spec_accepted for o in ok)
     if closed_loop:
-        res |= steady_throughput(outcomes, closed_loop)
+        res |= steady_throughput(outcomes, closed_loop, duration)
     if slo:
         good = [o for o in ok if meets_slo(o, slo)]
         res["slo"] = {k: v * 1000.0 for k, v in slo.items()}

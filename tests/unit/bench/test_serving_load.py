@@ -99,6 +99,12 @@ def test_steady_window_throughput_on_synthetic_timestamps() -> None:
     bare = [replace(o, token_times=[]) for o in outs]
     assert compute_metrics(bare, 9.0, closed_loop=2)["steady_output_throughput"] is None
     assert "steady_output_throughput" not in compute_metrics(outs, 9.0)
+    # A window under a quarter of the run (3 s of 13), or with fewer than 8 tokens a slot, is
+    # too short to measure: one step's burst over a few ms is not a rate.
+    assert compute_metrics(outs, 13.0, closed_loop=2)["steady_output_throughput"] is None
+    assert compute_metrics(outs, 11.0, closed_loop=2)["steady_output_throughput"] is not None
+    thin = [*outs[:3], req(4.0, 8.0, [(4.5, 1), (8.0, 10)]), outs[4]]  # 9 + 1 tokens < 2 x 8
+    assert compute_metrics(thin, 9.0, closed_loop=2)["steady_output_throughput"] is None
 
 
 def test_slo_parsing() -> None:
