@@ -51,9 +51,9 @@ Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # _meta columns: position, KV slot, tick of the add, its part (index into _parts), the row in
 # that part, projected (0/1), still pending (0/1: a take unmarks what it handed back or dropped)
 _POS, _SLOT, _TICK, _PART, _AT, _PROJ, _LIVE = range(7)
-# Rows no longer pending (holes) are reclaimed once they outnumber the pending ones by more than
-# this: below it the copies and the renumbering cost more than the masks over them. Parts then
-# hold at most about twice the pending rows' bytes.
+# Rows no longer pending (holes) are reclaimed once they outnumber the pending ones and number
+# more than this: below it the copies and the renumbering cost more than the masks over them.
+# Parts then hold at most about twice the pending rows' bytes, plus this many rows.
 RECLAIM_ROWS = 4096
 
 
@@ -77,8 +77,8 @@ class _Grow:
         buf = self.buf
         if buf is None or buf.shape[0] < need:
             size = max(need, 2 * (0 if buf is None else buf.shape[0]), 64)
-            new = torch.empty((size, *parts[0].shape[1:]), dtype=parts[0].dtype)
-            new = new.to(parts[0].device)
+            shape = (size, *parts[0].shape[1:])
+            new = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
             if self.n:
                 assert buf is not None
                 new[: self.n] = buf[: self.n]
