@@ -78,7 +78,8 @@ def test_paired_ratios_compare_within_each_pass() -> None:
 
 def test_the_goal_is_also_judged_on_the_steady_window() -> None:
     """Rows carrying steady_output_throughput get the same goal table on it (best rival picked
-    on that key); rows without it (a server without continuous usage) are left out."""
+    on that key); rows without it (a server without continuous usage, a window too short) are
+    left out, and then the steady goal does not hold at every c."""
     rows = [
         _row("no-spec", 32, 700, 22) | {"steady_output_throughput": 690},
         _row("fixed:3", 32, 650, 20) | {"steady_output_throughput": 720},
@@ -91,6 +92,11 @@ def test_the_goal_is_also_judged_on_the_steady_window() -> None:
     (st,) = g["steady_per_concurrency"]
     assert st["concurrency"] == 32 and st["best_rival"] == "fixed:3"
     assert st["ratio"] == pytest.approx(740 / 720) and st["pass"]
+    assert g["steady_lagged_ge_best_minus_3pct_every_c"] is False  # c = 64 has no window
+    both = [*rows[:3], rows[3] | {"steady_output_throughput": 880}]
+    both.append(rows[4] | {"steady_output_throughput": 930})
+    g = sweep.analyse(both, ["no-spec", "fixed:3", "lagged"], ())
+    assert len(g["steady_per_concurrency"]) == 2
     assert g["steady_lagged_ge_best_minus_3pct_every_c"] is True
     assert "steady_per_concurrency" not in sweep.analyse(rows[3:], ["no-spec", "lagged"], ())
 
