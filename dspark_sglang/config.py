@@ -272,6 +272,9 @@ class DraftConfig:
     # drafting step has tested while it is priced within this share of the best plan (0 = never;
     # docs/scheduler.md "Exploring an untested drafter price")
     explore_ratio: float = 0.75
+    # lagged mode: a drafting K widens to the largest K whose predicted Θ is within this share of
+    # the best (0 = the argmax; docs/scheduler.md "Near ties")
+    tie_margin: float = 0.0
     # lagged mode: K reads a lagged survival row's departure from the average row only as far as
     # such departures held up lag steps later (algo.survival.LagShrink, learned from verified
     # drafts and reported in the planner's state). Off: A/B runs on the CPU engine measured no
@@ -325,6 +328,8 @@ class DraftConfig:
             )
         if not 0.0 <= self.explore_ratio <= 1.0:
             raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
+        if not (math.isfinite(self.tie_margin) and 0.0 <= self.tie_margin < 1.0):
+            raise ConfigError(f"--plan-tie-margin must be in [0, 1), got {self.tie_margin}")
         if not (math.isfinite(self.step_bias_prior) and -0.5 < self.step_bias_prior < 1.0):
             raise ConfigError(f"--step-bias-prior must be in (-0.5, 1), got {self.step_bias_prior}")
         if self.replan_every < 1:

@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         "untested and priced within this share of the best plan (0 = never; default %(default)s)",
     )
     a(
+        "--plan-tie-margin",
+        dest="tie_margin",
+        type=float,
+        default=dc.tie_margin,
+        help="lagged mode: when the best K drafts, take the largest K whose predicted tokens/s is "
+        "within this share of the best (0 = the argmax; default %(default)s)",
+    )
+    a(
         "--lagged-replan-every",
         dest="replan_every",
         type=int,
@@ -329,6 +337,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overlap=args.overlap,
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,
+            tie_margin=args.tie_margin,
             lag_shrink=args.lag_shrink,
             step_bias=args.step_bias,
             step_bias_prior=args.step_bias_prior,

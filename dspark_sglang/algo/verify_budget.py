@@ -241,6 +241,7 @@ def lagged_global_k(
     min_len: np.ndarray | int | None = None,
     max_len: np.ndarray | int | None = None,
     min_user_tps: float = 0.0,
+    tie_margin: float = 0.0,
 ) -> int:
     """Capacity K (total admitted draft tokens, B = R + K) of the lagged scheduler (paper §5.2):
     the unconstrained argmax over all K of Θ(K) = (R + Σ top-K a) · SPS(R + K), no early stop, so
@@ -249,9 +250,17 @@ def lagged_global_k(
     K never sees this step's tokens. Ties pick the smallest K; min_len drafts count toward K.
 
     min_user_tps > 0 (DESIGN §5): argmax over the K whose predicted min_r (1 + Σ a_r) · SPS(R + K)
-    >= min_user_tps; if no K meets the floor, the K with the best floor."""
+    >= min_user_tps; if no K meets the floor, the K with the best floor.
+
+    tie_margin > 0: when the best K drafts (K > 0), the largest K whose Θ is within that share
+    of the best (TIE_MARGIN's reasoning)."""
     return lagged_global_plan(
-        lagged_surv, sps, min_len=min_len, max_len=max_len, min_user_tps=min_user_tps
+        lagged_surv,
+        sps,
+        min_len=min_len,
+        max_len=max_len,
+        min_user_tps=min_user_tps,
+        tie_margin=tie_margin,
     )[0]
 
 
@@ -262,13 +271,14 @@ def lagged_global_plan(
     min_len: np.ndarray | int | None = None,
     max_len: np.ndarray | int | None = None,
     min_user_tps: float = 0.0,
+    tie_margin: float = 0.0,
 ) -> tuple[int, float]:
     """`lagged_global_k` and the tokens τ(K) = Θ(K) / SPS(R + K) it was chosen on (what
     `planned_tokens` gives for that K; nan where no K fits the table), from the same pass."""
     num_reqs = lagged_surv.shape[0]
     if min_len is None and not min_user_tps and sps.size > num_reqs:
         path = _small_path(lagged_surv, max_len)
-        got = None if path is None else _global_small(num_reqs, path, sps)
+        got = None if path is None else _global_small(num_reqs, path, sps, tie_margin)
         if got is not None:
             return got
     neg, forced = _candidates(lagged_surv, min_len, max_len)
@@ -278,38 +288,63 @@ def lagged_global_plan(
     rate = None
     if min_user_tps > 0.0:
         rate = _min_user_rate(lagged_surv, _path_order(neg, forced), sps, theta.size)
-    k = _best_k(theta, n_forced, rate, min_user_tps)
+    k = _best_k(theta, n_forced, rate, min_user_tps, tie_margin)
     return k, float(theta[k] / sps[num_reqs + k])
 
 
 def _global_small(
-    num_reqs: int, path: list[tuple[float, int]], sps: np.ndarray
+    num_reqs: int, path: list[tuple[float, int]], sps: np.ndarray, tie_margin: float = 0.0
 ) -> tuple[int, float] | None:
     """lagged_global_plan over a `_small_path` (`_selective_small` without a drafter per row)."""
     table = sps[num_reqs : num_reqs + min(len(path), sps.size - num_reqs - 1) + 1].tolist()
     tau = float(num_reqs)
     best, best_k = tau * table[0], 0
+    thetas = [best]
     for k, (neg, _) in enumerate(path[: len(table) - 1], 1):
         tau -= neg
         theta = tau * table[k]
         if theta != theta:
             return None
+        thetas.append(theta)
         if theta > best:
             best, best_k = theta, k
     if best != best:
         return None
-    return best_k, best / table[best_k]
+    best_k = _widened(thetas, best_k, tie_margin)
+    return best_k, thetas[best_k] / table[best_k]
 
 
-def _best_k(theta: np.ndarray, n_forced: int, rate: np.ndarray | None, floor: float) -> int:
+def _best_k(
+    theta: np.ndarray,
+    n_forced: int,
+    rate: np.ndarray | None,
+    floor: float,
+    tie_margin: float = 0.0,
+) -> int:
     """argmax of Θ over K >= n_forced (ties: smallest K); with the per-user rates along the path,
-    over the K that meet the floor, or the K with the best floor if none does."""
+    over the K that meet the floor, or the K with the best floor if none does. tie_margin > 0:
+    a drafting best K widens to the largest K within that share of its Θ (`_widened`)."""
     if rate is None:
-        return n_forced + int(np.argmax(theta[n_forced:]))
+        k = n_forced + int(np.argmax(theta[n_forced:]))
+        return _widened(theta, k, tie_margin)
     meets = rate[n_forced:] >= floor
     if not meets.any():
         return n_forced + int(np.argmax(rate[n_forced:]))
-    return n_forced + int(np.argmax(np.where(meets, theta[n_forced:], -np.inf)))
+    vals = np.full(theta.shape, -np.inf)
+    vals[n_forced:] = np.where(meets, theta[n_forced:], -np.inf)
+    return _widened(vals, n_forced + int(np.argmax(vals[n_forced:])), tie_margin)
+
+
+def _widened(theta: np.ndarray | list[float], k: int, tie_margin: float) -> int:
+    """The largest K >= k whose Θ is at least (1 - tie_margin) of Θ(k), when k > 0 (a drafting
+    plan) and the margin is on; else k. A plain best (K = 0) is never widened: where plain steps
+    win, drafting is not a near tie to break (TIE_MARGIN)."""
+    if tie_margin <= 0.0 or k <= 0:
+        return k
+    vals = np.asarray(theta, np.float64)
+    bar = (1.0 - tie_margin) * vals[k]
+    near = np.flatnonzero(vals[k:] >= bar)
+    return k + int(near[-1]) if near.size else k
 
 
 def row_priced_sps(
@@ -358,6 +393,7 @@ def selective_k(
     min_len: np.ndarray | int | None = None,
     max_len: np.ndarray | int | None = None,
     min_user_tps: float = 0.0,
+    tie_margin: float = 0.0,
 ) -> tuple[int, np.ndarray, float]:
     """`lagged_global_k` over `row_priced_sps`, the requests that K drafts (sorted indices: those
     with an entry among the first K path candidates, which is what `assign_top_k` admits under the
@@ -371,7 +407,11 @@ def selective_k(
         return k, _admitted_rows(lagged_surv, k, min_len, max_len), -np.inf
     if min_len is None and not min_user_tps:
         path = _small_path(lagged_surv, max_len)
-        got = None if path is None else _selective_small(num_reqs, path, sps, draft_seconds)
+        got = (
+            None
+            if path is None
+            else _selective_small(num_reqs, path, sps, draft_seconds, tie_margin)
+        )
         if got is not None:
             return got
     neg, forced = _candidates(lagged_surv, min_len, max_len)
@@ -385,13 +425,17 @@ def selective_k(
     rate = None
     if min_user_tps > 0.0:
         rate = _min_user_rate(lagged_surv, order, priced, theta.size)
-    k = _best_k(theta, n_forced, rate, min_user_tps)
+    k = _best_k(theta, n_forced, rate, min_user_tps, tie_margin)
     first = order[:k]
     return k, np.sort(first[first < num_reqs]), float(theta[k])
 
 
 def _selective_small(
-    num_reqs: int, path: list[tuple[float, int]], sps: np.ndarray, draft_seconds: np.ndarray
+    num_reqs: int,
+    path: list[tuple[float, int]],
+    sps: np.ndarray,
+    draft_seconds: np.ndarray,
+    tie_margin: float = 0.0,
 ) -> tuple[int, np.ndarray, float] | None:
     """selective_k over a `_small_path`, with the numpy path's float operations in its order:
     τ = ((R + a1) + a2) + ..., SPS(R + K) = 1 / (1 / sps + drafter seconds of the rows drafted).
@@ -402,18 +446,21 @@ def _selective_small(
     tau, drafted = float(num_reqs), 0
     best = tau * (1.0 / (1.0 / table[0] + draft[0]))
     best_k = 0
+    thetas = [best]
     for k, (neg, i) in enumerate(path, 1):
         tau -= neg  # + a, exactly
         drafted += i < num_reqs  # a request's first path entry is its position-1 entry
         theta = tau * (1.0 / (1.0 / table[k] + draft[drafted]))
         if theta != theta:
             return None
+        thetas.append(theta)
         if theta > best:  # ties: the smallest K
             best, best_k = theta, k
     if best != best:
         return None
+    best_k = _widened(thetas, best_k, tie_margin)
     rows = sorted(i for _, i in path[:best_k] if i < num_reqs)
-    return best_k, np.array(rows, np.int64), best
+    return best_k, np.array(rows, np.int64), thetas[best_k]
 
 
 def _admitted_rows(

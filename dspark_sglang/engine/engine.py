@@ -255,6 +255,7 @@ class LLMEngine:
             cfg.resume_charge,
             cfg.draft_price_prior_weight,
             cfg.user_rate_floor,
+            cfg.tie_margin,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

@@ -323,8 +323,10 @@ class VerifyPlanner:
         resume_charge: bool = False,
         draft_price_prior_weight: float = DRAFT_PRIOR_WEIGHT,
         user_rate_floor: float = 0.0,
+        tie_margin: float = 0.0,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
+        self.tie_margin = tie_margin if mode.name == "lagged" else 0.0  # TIE_MARGIN
         # lagged: the fraction of its plain-step rate every request's expected rate keeps
         self.user_rate_floor = user_rate_floor if mode.name == "lagged" else 0.0
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)
@@ -907,20 +909,26 @@ class VerifyPlanner:
         if draft is None:  # every K > 0 drafts every row
             surv = lagged if fill is None else fill
             sps = _charged_sps(sps, ids.size, skip_charge)
-            k, tau = lagged_global_plan(surv, sps, max_len=max_len, min_user_tps=tps)
+            k, tau = lagged_global_plan(
+                surv, sps, max_len=max_len, min_user_tps=tps, tie_margin=self.tie_margin
+            )
             return k, None, tau if k > 0 else math.nan
         if skip_charge:  # draft[n]: the drafter of n rows; draft[0]: none (a plain step)
             draft = draft.copy()
             draft[0] = skip_charge
         r = ids.size
-        k, rows, theta = selective_k(lagged, sps, draft, max_len=max_len, min_user_tps=tps)
+        k, rows, theta = selective_k(
+            lagged, sps, draft, max_len=max_len, min_user_tps=tps, tie_margin=self.tie_margin
+        )
         planned = _planned(theta, sps, r, k, float(draft[rows.size]))
         if fill is None and not explore:
             return k, rows, planned
         every = np.full_like(draft, draft[-1])
         every[0] = draft[0]
         surv = lagged if fill is None else fill
-        k_all, _, theta_all = selective_k(surv, sps, every, max_len=max_len, min_user_tps=tps)
+        k_all, _, theta_all = selective_k(
+            surv, sps, every, max_len=max_len, min_user_tps=tps, tie_margin=self.tie_margin
+        )
         if k_all > 0 and theta_all > theta:
             return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
         if explore and not (k_all == 0 and self.user_rate_floor > 0.0):
