@@ -253,7 +253,7 @@ def lagged_global_k(
     >= min_user_tps; if no K meets the floor, the K with the best floor.
 
     tie_margin > 0: when the best K drafts (K > 0), the largest K whose Θ is within that share
-    of the best (TIE_MARGIN's reasoning)."""
+    of the best (docs/scheduler.md "Near ties")."""
     return lagged_global_plan(
         lagged_surv,
         sps,
@@ -338,7 +338,7 @@ def _best_k(
 def _widened(theta: np.ndarray | list[float], k: int, tie_margin: float) -> int:
     """The largest K >= k whose Θ is at least (1 - tie_margin) of Θ(k), when k > 0 (a drafting
     plan) and the margin is on; else k. A plain best (K = 0) is never widened: where plain steps
-    win, drafting is not a near tie to break (TIE_MARGIN)."""
+    win, drafting is not a near tie to break (docs/scheduler.md "Near ties")."""
     if tie_margin <= 0.0 or k <= 0:
         return k
     vals = np.asarray(theta, np.float64)

@@ -326,7 +326,8 @@ class VerifyPlanner:
         tie_margin: float = 0.0,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
-        self.tie_margin = tie_margin if mode.name == "lagged" else 0.0  # TIE_MARGIN
+        # lagged: a drafting K widens to the largest K within this share of the best Θ
+        self.tie_margin = tie_margin if mode.name == "lagged" else 0.0
         # lagged: the fraction of its plain-step rate every request's expected rate keeps
         self.user_rate_floor = user_rate_floor if mode.name == "lagged" else 0.0
         # lagged: draft only the requests K admits, priced by the rows drafted (row_priced_sps)

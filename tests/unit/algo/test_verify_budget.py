@@ -691,9 +691,14 @@ def _numpy_path(fn: object, *args: object, **kw: object) -> object:
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
-@given(instances(max_r=6, max_g=8), st.floats(0.0, 0.5), st.integers(-1, 50))
+@given(
+    instances(max_r=6, max_g=8),
+    st.floats(0.0, 0.5),
+    st.integers(-1, 50),
+    st.sampled_from([0.0, 0.05, 0.3]),
+)
 def test_the_small_batch_path_is_the_numpy_path_bit_for_bit(
-    inst: dict, per_row: float, k: int
+    inst: dict, per_row: float, k: int, margin: float
 ) -> None:
     """Below SMALL_PATH candidates the K searches and the top-K admission walk Python floats; they
     must return the numpy path's K, rows, lengths and Θ exactly (the planner's decisions and the
@@ -705,14 +710,14 @@ def test_the_small_batch_path_is_the_numpy_path_bit_for_bit(
     rows[0] = 0.0
     if sps.size > a.shape[0]:
         fast, ref = (
-            vb.selective_k(a, sps, rows, **kw),
-            _numpy_path(vb.selective_k, a, sps, rows, **kw),
+            vb.selective_k(a, sps, rows, tie_margin=margin, **kw),
+            _numpy_path(vb.selective_k, a, sps, rows, tie_margin=margin, **kw),
         )
         assert fast[0] == ref[0] and fast[1].tolist() == ref[1].tolist() and fast[2] == ref[2]
         assert fast[1].dtype == np.int64
     plan, ref_plan = (
-        vb.lagged_global_plan(a, sps, **kw),
-        _numpy_path(vb.lagged_global_plan, a, sps, **kw),
+        vb.lagged_global_plan(a, sps, tie_margin=margin, **kw),
+        _numpy_path(vb.lagged_global_plan, a, sps, tie_margin=margin, **kw),
     )
     assert plan[0] == ref_plan[0]
     assert plan[1] == ref_plan[1] or (np.isnan(plan[1]) and np.isnan(ref_plan[1]))
@@ -732,3 +737,54 @@ def test_the_small_batch_path_covers_what_the_planner_sends() -> None:
     assert vb._small_path(a, np.array([-1, 2])) is None
     with pytest.raises(ValueError):
         vb.assign_top_k(a, 2, max_len=np.array([-1, 2]))
+
+
+def _theta_by_k(a: np.ndarray, sps: np.ndarray, **kw: object) -> list[float]:
+    """Θ(K) = planned_tokens(K) · SPS(R + K) for every K the table holds, written out."""
+    r = a.shape[0]
+    top = min(sps.size - 1 - r, len(path_reference(a, kw.get("min_len"), kw.get("max_len"))))
+    return [vb.planned_tokens(a, k, **kw) * float(sps[r + k]) for k in range(top + 1)]
+
+
+@FAST
+@given(instances(), st.sampled_from([0.01, 0.05, 0.3, 0.9]))
+def test_a_tie_margin_widens_a_drafting_k_to_the_largest_k_within_it(
+    inst: dict, margin: float
+) -> None:
+    """--plan-tie-margin: a best K > 0 becomes the largest K >= it whose Θ is within the margin
+    of the best Θ; a best K = 0 (plain) stays 0; the margin never narrows K."""
+    a, sps = survival(inst["conf"]), inst["sps"]
+    kw = {"min_len": inst["min_len"], "max_len": inst["max_len"]}
+    if sps.size <= a.shape[0]:
+        return
+    best = vb.lagged_global_k(a, sps, **kw)
+    wide = vb.lagged_global_k(a, sps, tie_margin=margin, **kw)
+    theta = _theta_by_k(a, sps, **kw)
+    if best == 0 or best >= len(theta):  # plain, or forced drafts the table cannot hold
+        assert wide == best
+        return
+    assert wide >= best
+    bar = (1.0 - margin) * theta[best]
+    assert theta[wide] >= bar * (1 - 1e-9)
+    assert all(t < bar * (1 + 1e-9) for t in theta[wide + 1 :])
+
+
+def test_a_tie_margin_verifies_every_draft_where_trimming_gains_less() -> None:
+    """Eight requests, a drafter priced by its rows: the argmax trims the weak tail drafts for a
+    1 % gain; a 5 % margin verifies them all (the Θ it gives up is under 5 %); a 0.5 % one does
+    not; and where plain steps win by more than the margin, K stays 0."""
+    a = survival(np.array([[0.9, 0.8, 0.6, 0.3]] * 8))
+    r, g = a.shape
+    # forwards: 40 ms to B = 24, then 0.4 ms a token
+    b = np.arange(r * (g + 1) + 1)
+    sps = np.concatenate([[0.0], 1.0 / (0.040 + 0.0004 * np.maximum(b[1:] - 24, 0))])
+    draft = np.full(r + 1, 0.002)
+    draft[0] = 0.0
+    k, _, theta = vb.selective_k(a, sps, draft)
+    assert 0 < k < r * g
+    k5, rows5, theta5 = vb.selective_k(a, sps, draft, tie_margin=0.05)
+    assert k5 == r * g and rows5.tolist() == list(range(r)) and theta5 >= 0.95 * theta
+    assert vb.selective_k(a, sps, draft, tie_margin=0.005)[0] < r * g
+    slow = sps.copy()
+    slow[r + 1 :] *= 0.2  # any drafting step takes five plain ones
+    assert vb.selective_k(a, slow, draft, tie_margin=0.3)[0] == 0

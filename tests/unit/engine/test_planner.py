@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -295,6 +296,32 @@ def test_the_user_rate_floor_turns_down_a_k_that_slows_the_requests_it_does_not_
     assert sync.user_rate_floor == 0.0
 
 
+def test_a_tie_margin_widens_the_lagged_k_and_only_the_lagged_one() -> None:
+    """Forwards of 80 ms up to B = 8 and 1 ms more a token above: with four requests whose later
+    drafts are weak, the argmax stops at K = 8 of 16; a margin widens K the more the larger it
+    is (0.001: not at all; 0.3: every draft), and sync never reads it."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+
+    buckets = tuple(range(1, 21))
+    cap = CapacityModel(TableModel(buckets, tuple(0.08 + 0.001 * max(0, b - 8) for b in buckets)))
+    mode = parse_schedule_mode("lagged")
+    ids, max_len = [3, 5, 7, 9], np.array([4, 4, 4, 4])
+    logits = np.tile(np.array([4.0, -1.0, -1.5, -2.0]), (4, 1))
+
+    def k_of(margin: float) -> int:
+        p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, False, tie_margin=margin)
+        p.plan(ids, logits, max_len, 40, 0)
+        p.plan(ids, logits, max_len, 40, 0)
+        return p.budget(ids, max_len, 40)
+
+    assert k_of(0.0) == k_of(0.001) == 8 < k_of(0.05) < k_of(0.3) == 16
+    sync = VerifyPlanner(
+        parse_schedule_mode("sync"), 4, cap, None, False, 0.0, False, False, tie_margin=0.1
+    )
+    assert sync.tie_margin == 0.0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_selective_rows_index_the_batch_the_step_drafts(overlap: bool) -> None:
     """draft_rows names rows of the batch passed to it, the ones its K admits under the lagged
@@ -457,6 +484,9 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
     assert DraftConfig().explore_ratio == EXPLORE_RATIO  # the server's default is the planner's
     with pytest.raises(ConfigError, match="--explore-ratio"):
         DraftConfig(explore_ratio=1.5)
+    for bad in (-0.1, 1.0, math.nan):
+        with pytest.raises(ConfigError, match="--plan-tie-margin"):
+            DraftConfig(tie_margin=bad)
 
 
 def _live_lagged_planner() -> tuple[CapacityModel, VerifyPlanner, LiveEstimator]:

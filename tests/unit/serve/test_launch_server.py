@@ -32,6 +32,7 @@ def model(tmp_path: Path) -> Path:
         (["--zmq-hmac-key-file", "/nonexistent"], "--zmq-hmac-key-file /nonexistent"),
         (["--port", "0"], "--port"),
         (["--startup-profile-rounds", "0"], "--startup-profile-rounds must be >= 1"),
+        (["--plan-tie-margin", "1"], "--plan-tie-margin must be in [0, 1)"),
     ],
 )
 def test_cli_errors_name_the_flag(
@@ -73,6 +74,9 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.draft.selective_draft  # lagged drafts only the rows K admits unless told not to
     whole = build_parser().parse_args(["--model-path", str(model), "--disable-selective-draft"])
     assert not config_from_args(whole).draft.selective_draft
+    assert cfg.draft.tie_margin == 0.0  # lagged takes the argmax K unless given a margin
+    tied = build_parser().parse_args(["--model-path", str(model), "--plan-tie-margin", "0.05"])
+    assert config_from_args(tied).draft.tie_margin == 0.05
     assert not cfg.draft.lag_shrink  # lagged reads its lagged confidences at face value
     shrunk = build_parser().parse_args(["--model-path", str(model), "--enable-lag-shrink"])
     assert config_from_args(shrunk).draft.lag_shrink
