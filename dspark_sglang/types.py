@@ -131,3 +131,7 @@ class StepRecord:
     # lagged: the step verified every draft without a K search or acceptance learning (pinned at
     # verify-all, engine/planner.py PIN_PLANS)
     pinned: bool = False
+    # lagged K > 0: the capacity model's tokens/s for a plain step (B = R, no drafter) of this
+    # step's batch when it was planned; nan elsewhere. planned_tokens / predicted_seconds over it
+    # is the margin the decision to draft was taken on (bench.steps "plan/plain")
+    plain_theta: float = float("nan")

@@ -56,6 +56,7 @@ class _Step(msgspec.Struct):
     num_draft_reqs: int = 0
     num_accepted: int = 0
     planned_tokens: float | None = None
+    plain_theta: float | None = None
     draft_resumed: bool = False
     started_at: float | None = None
     adopt_seconds: float = 0.0
@@ -87,6 +88,9 @@ class BinRow:
     predicted_over_measured: float  # nan: no capacity model priced the steps
     # lagged: emitted / planned tokens over the steps whose K was planned on lagged survival
     realised_over_planned: float
+    # lagged K > 0: median over those steps of the planned Θ (planned tokens / predicted seconds)
+    # over the model's plain-step Θ when it was planned: the margin drafting was chosen on
+    planned_over_plain: float = math.nan
 
 
 def r_bin_bounds(r: int) -> tuple[int, int]:
@@ -140,6 +144,10 @@ def _median(xs: list[float]) -> float:
     return float(np.median(xs)) if xs else math.nan
 
 
+def _finite(*xs: float | None) -> bool:
+    return all(x is not None and math.isfinite(x) for x in xs)
+
+
 def _mean(xs: list[float | None]) -> float:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return float(np.mean(xs)) if xs else math.nan
@@ -168,6 +176,13 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
             for s in ss
             if s.planned_tokens is not None and math.isfinite(s.planned_tokens)
         ]
+        margin = [
+            s.planned_tokens / s.predicted_seconds / s.plain_theta
+            for s in ss
+            if _finite(s.planned_tokens, s.predicted_seconds, s.plain_theta)
+            and s.predicted_seconds > 0.0
+            and s.plain_theta > 0.0
+        ]
         rows.append(
             BinRow(
                 policy=policy,
@@ -189,6 +204,7 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
                 realised_over_planned=(
                     sum(t for t, _ in planned) / sum(p for _, p in planned) if planned else math.nan
                 ),
+                planned_over_plain=_median(margin),
             )
         )
     return rows
@@ -297,7 +313,8 @@ def print_table(rows: list[BinRow]) -> None:
         f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'pin%':>5s} {'B':>6s} "
         f"{'tok/step':>8s} "
         f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
-        f"{'host ms':>7s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s}"
+        f"{'host ms':>7s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s} "
+        f"{'plan/plain':>10s}"
     )
     print(head)
     for r in sorted(rows, key=lambda r: (r.r_hi, -r.tok_per_s)):
@@ -310,7 +327,7 @@ def print_table(rows: list[BinRow]) -> None:
             f"{_fmt(r.forward_ms, '7.2f')} {_fmt(r.drafter_ms, '8.2f')} "
             f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.gap_ms, '6.2f')} {_fmt(r.adopt_ms, '8.2f')} "
             f"{_fmt(r.predicted_over_measured, '9.3f')} "
-            f"{_fmt(r.realised_over_planned, '9.3f')}"
+            f"{_fmt(r.realised_over_planned, '9.3f')} {_fmt(r.planned_over_plain, '10.3f')}"
         )
 
 

@@ -734,6 +734,7 @@ class LLMEngine:
             draft_resumed=p is not None and (p.resumed or self._draft_backlog),
             num_accepted=sum(accepted.values()),
             planned_tokens=p.planned_tokens if p else float("nan"),
+            plain_theta=p.plain_theta if p else float("nan"),
             started_at=self._started_at,
             adopt_seconds=self._adopt_seconds,
             pinned=p is not None and p.pinned,

@@ -302,6 +302,7 @@ class Plan:
     resumed: bool = False  # lagged: the drafter's first run after steps without it
     planned_tokens: float = math.nan  # lagged K > 0: the tokens K was planned on (StepRecord)
     pinned: bool = False  # lagged: K taken from the pin, without a search (PIN_PLANS)
+    plain_theta: float = math.nan  # lagged K > 0: the model's Θ of a plain step (StepRecord)
 
 
 class VerifyPlanner:
@@ -707,6 +708,9 @@ class VerifyPlanner:
         self._count_fallback()
         # what this step's lagged K was planned on (budget() set it this step)
         planned = self._k_planned if self.plans_before_drafting and k else math.nan
+        plain = self._plain_theta(
+            *((len(batch[0]), batch[2]) if batch is not None else (r, ctx)), k
+        )
         if batch is not None and self.capacity is not None:  # a row subset: price the whole step
             rr, cc = len(batch[0]), batch[2]
             tokens = rr + float(surv[np.arange(self.gamma)[None, :] < lens[:, None]].sum())
@@ -721,6 +725,7 @@ class VerifyPlanner:
                 draft_rows=r,
                 resumed=resumed,
                 planned_tokens=planned,
+                plain_theta=plain,
             )
         b = r + int(lens.sum())
         predicted = self.capacity.predict(r, b, ctx, drafted=True) if self.capacity else math.nan
@@ -741,7 +746,15 @@ class VerifyPlanner:
             resumed=resumed,
             planned_tokens=planned,
             pinned=self._pinned,  # the step the next search reads: K pinned, planned as usual
+            plain_theta=plain,
         )
+
+    def _plain_theta(self, r: int, ctx: int, k: int | None) -> float:
+        """Lagged K > 0: the capacity model's tokens/s for a plain step of these R requests (the
+        alternative the K search weighed); nan for other steps and modes."""
+        if not (self.plans_before_drafting and k and self.capacity is not None and r > 0):
+            return math.nan
+        return r / float(self.capacity.predict(r, r, ctx, drafted=False))
 
     def _pinned_plan(
         self, conf_logits: np.ndarray | None, k: int, max_len: np.ndarray, ctx: int, backlog: bool

@@ -65,6 +65,7 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
             num_accepted=3,
             predicted_seconds=0.011,
             planned_tokens=5.0,  # 4 emitted: the lagged survival promised 1 more
+            plain_theta=400.0 + 100.0 * i,  # planned Θ 5 / 0.011 = 454.5 over 400, then 500
             pinned=i == 1,  # the second one's K was pinned
         )
         for i in range(2)
@@ -86,6 +87,7 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
     assert one.host_ms == pytest.approx(0.5)  # 4 x 0.5 and 2 x 1.0
     assert one.predicted_over_measured == pytest.approx(1.1)
     assert one.realised_over_planned == pytest.approx(8 / 10)  # the plain steps planned nothing
+    assert one.planned_over_plain == pytest.approx((5 / 0.011 / 400 + 5 / 0.011 / 500) / 2)
     assert (three.r_lo, three.r_hi, three.steps) == (3, 4, 2)
     assert three.tok_per_s == pytest.approx(7 / 0.014)
     for nan in (
@@ -94,6 +96,7 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
         three.host_ms,
         three.predicted_over_measured,
         three.realised_over_planned,
+        three.planned_over_plain,
     ):
         assert math.isnan(nan)
 

@@ -1062,3 +1062,25 @@ def test_the_step_bias_can_be_turned_off() -> None:
             p.step_bias.observe(1, True, 0.03, 0.02)
             p.step_bias.observe(1, False, 0.01, 0.01)
     assert on._bias(1) == pytest.approx(0.25, abs=1 / 128) and off._bias(1) == 0.0
+
+
+def test_a_lagged_drafting_plan_carries_the_plain_steps_theta_it_was_weighed_against() -> None:
+    """Plan.plain_theta (StepRecord.plain_theta): on a lagged K > 0 step, R over the model's plain
+    step (B = R, no drafter) at the step's context; nan on a K = 0 step (a probe) and in sync."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+
+    buckets = tuple(range(1, 21))
+    cap = CapacityModel(TableModel(buckets, tuple(0.08 + 0.001 * max(0, b - 8) for b in buckets)))
+    ids, max_len = [3, 5, 7, 9], np.array([4, 4, 4, 4])
+    logits = np.tile(np.array([4.0, -1.0, -1.5, -2.0]), (4, 1))
+    p = VerifyPlanner(parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, False)
+    p.plan(ids, logits, max_len, 40, 0)
+    p.plan(ids, logits, max_len, 40, 0)
+    k = p.budget(ids, max_len, 40)
+    assert k > 0
+    plan = p.plan(ids, logits, max_len, 40, k)
+    assert plan.plain_theta == pytest.approx(4 / float(cap.predict(4, 4, 40, drafted=False)))
+    assert math.isnan(p.plan(ids, logits, max_len, 40, 0).plain_theta)
+    sync = VerifyPlanner(parse_schedule_mode("sync"), 4, cap, None, False, 0.0, False, False)
+    assert math.isnan(sync.plan(ids, logits, max_len, 40).plain_theta)
