@@ -18,6 +18,9 @@ Then each policy's forward and drafter time at identical shapes over a reference
 forward, (R, B), in the same time, and on a shared host they do not (a served sweep on the
 2-core VM: both lagged deployments ran them 7 % slower than verify-all's, one pass 15 %, the
 next 2 %), which a throughput ratio between them cannot tell from a policy's effect.
+And, for a schedule that verifies fewer than every draft (lagged, sync), what trimming saved:
+its trimmed drafting steps over full ones at the same R nearby, measured and as the capacity
+model predicted them (`trim_rows`).
 Request-level throughput mixes arrivals, tails and prefill into every number; these rates
 compare the policies' steps at equal load, which is what a verify schedule decides. Reads the
 logs only: no engine, no network.
@@ -58,6 +61,7 @@ class _Step(msgspec.Struct):
     planned_tokens: float | None = None
     plain_theta: float | None = None
     draft_resumed: bool = False
+    probe: bool = False
     started_at: float | None = None
     adopt_seconds: float = 0.0
     pinned: bool = False
@@ -262,6 +266,94 @@ def speed_rows(logs: dict[str, list[_Step]], reference: str) -> list[SpeedRow]:
     return rows
 
 
+# a trimmed drafting step pairs with a full one at its R up to this many decode steps apart
+TRIM_WINDOW = 15
+
+
+@dataclass(frozen=True)
+class TrimRow:
+    policy: str
+    r_lo: int  # 0, 0: every R
+    r_hi: int
+    pairs: int  # (trimmed, full) drafting steps at one R, TRIM_WINDOW steps apart at most
+    tokens_share: float  # median B of the trimmed over the full step's
+    measured: float  # median step seconds, trimmed / full
+    predicted: float  # median of the capacity model's predicted seconds, trimmed / full
+
+
+def trim_rows(policy: str, steps: list[_Step], window: int = TRIM_WINDOW) -> list[TrimRow]:
+    """What verifying fewer than every draft saved: each steady drafting step that drafted and
+    verified every row in full (B = R x the log's largest tokens a row) paired with the steps at
+    the same R within `window` decode steps of it that drafted every row but verified fewer
+    tokens, and the median of their step times' ratio against the model's predicted one. A
+    model that prices the trim right reads the same; session 55 found the model expecting twice
+    the saving below R = 12 (docs/results/s55_notes.txt). Probes and resumed drafter runs (a
+    backlog's projection) are left out. Empty without both kinds, or where no capacity model
+    priced the steps."""
+    drafting = [
+        (i, s)
+        for i, s in enumerate(steps)
+        if s.draft_seconds > 0.0
+        and not s.probe
+        and not s.draft_resumed
+        and s.num_draft_reqs in (0, s.num_reqs)
+    ]
+    per_row = max((s.num_tokens // s.num_reqs for _, s in drafting), default=0)
+    if per_row < 2:
+        return []
+    full = [(i, s) for i, s in drafting if s.num_tokens == s.num_reqs * per_row]
+    trimmed: dict[int, list[tuple[int, _Step]]] = {}
+    for i, s in drafting:
+        if s.num_tokens < s.num_reqs * per_row:
+            trimmed.setdefault(s.num_reqs, []).append((i, s))
+    pairs: list[tuple[int, float, float, float]] = []  # (R, B share, measured, predicted)
+    for i, f in full:
+        for j, t in trimmed.get(f.num_reqs, ()):
+            if abs(j - i) > window:
+                continue
+            pred = (
+                t.predicted_seconds / f.predicted_seconds
+                if _finite(t.predicted_seconds, f.predicted_seconds) and f.predicted_seconds > 0
+                else math.nan
+            )
+            share = t.num_tokens / f.num_tokens
+            pairs.append((f.num_reqs, share, t.step_seconds / f.step_seconds, pred))
+    if not any(math.isfinite(p[3]) for p in pairs):  # no model priced them (verify-all's
+        return []  # shorter steps are rows capped near their end, not a planner's trim)
+    rows = []
+    bins = sorted({r_bin_bounds(r) for r, *_ in pairs})
+    for lo, hi in [*bins, (0, 0)]:
+        got = [p for p in pairs if lo <= p[0] <= hi or hi == 0]
+        rows.append(
+            TrimRow(
+                policy,
+                lo,
+                hi,
+                len(got),
+                _median([p[1] for p in got]),
+                _median([p[2] for p in got]),
+                _median([p[3] for p in got]),
+            )
+        )
+    return rows
+
+
+def print_trim(rows: list[TrimRow]) -> None:
+    if not rows:
+        return
+    print(
+        f"trimmed drafting steps over full ones at the same R, <= {TRIM_WINDOW} steps apart "
+        "(median of pairs; measured against the capacity model's prediction):"
+    )
+    print(f"{'R':>7s} {'policy':14s} {'pairs':>6s} {'B share':>7s} {'measured':>8s} {'model':>7s}")
+    for r in rows:
+        print(
+            f"{bin_label(r.r_lo, r.r_hi):>7s} {r.policy:14s} {r.pairs:6d} "
+            f"{_fmt(r.tokens_share, '7.3f')} {_fmt(r.measured, '8.3f')} "
+            f"{_fmt(r.predicted, '7.3f')}"
+        )
+
+
 def print_speed(rows: list[SpeedRow]) -> None:
     if not rows:
         return
@@ -382,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = args.speed_reference if args.speed_reference in read else next(iter(read))
     speed = speed_rows(read, ref)
     print_speed(speed)
+    trims = [t for policy, ss in read.items() for t in trim_rows(policy, ss)]
+    print_trim(trims)
     paired = []
     if args.cells is not None:
         from dspark_sglang.bench import paired_speed  # it builds on this module
@@ -408,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": plain,
             "speed": [_plain(r) for r in speed],
             "speed_paired": [_plain(r) for r in paired],
+            "trim": [_plain(r) for r in trims],
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

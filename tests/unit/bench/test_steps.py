@@ -251,3 +251,36 @@ def test_speed_at_identical_shapes_over_the_reference(
 
 def _to_step(rec: StepRecord) -> steps._Step:
     return msgspec.json.decode(_ENC.encode(rec), type=steps._Step)
+
+
+def test_trim_rows_pair_trimmed_drafting_steps_with_full_ones_nearby() -> None:
+    """A trimmed drafting step (B < R x the most tokens a row) pairs with a full one at its R
+    within TRIM_WINDOW steps; the row gives the measured and the predicted step ratio. Probes,
+    resumed drafter runs, plain steps, other R and pairs too far apart do not count."""
+
+    def st(r: int, b: int, secs: float, pred: float | None, **kw: object) -> steps._Step:
+        return steps._Step(
+            num_reqs=r, num_tokens=b, num_prefill_tokens=0, num_decode_reqs=r, kv_tokens=100,
+            step_seconds=secs, predicted_seconds=pred, **kw,
+        )  # fmt: skip
+
+    d = {"draft_seconds": 0.01, "num_draft_reqs": 8}
+    log = [
+        st(8, 64, 0.040, 0.040, **d),  # full
+        st(8, 52, 0.041, 0.036, **d),  # trimmed: ran longer, the model expected 10 % less
+        st(8, 8, 0.015, 0.015),  # plain
+        st(8, 40, 0.030, 0.030, probe=True, **d),
+        st(8, 44, 0.050, 0.030, draft_resumed=True, **d),
+        st(4, 20, 0.020, 0.020, **{**d, "num_draft_reqs": 4}),  # another R, no full step
+    ]
+    log += [st(8, 8, 0.015, 0.015)] * steps.TRIM_WINDOW
+    log.append(st(8, 48, 0.020, 0.020, **d))  # trimmed, too far from the full step
+    rows = steps.trim_rows("lagged", log)
+    assert [(r.r_lo, r.r_hi, r.pairs) for r in rows] == [(5, 8, 1), (0, 0, 1)]
+    assert rows[0].tokens_share == pytest.approx(52 / 64)
+    assert rows[0].measured == pytest.approx(0.041 / 0.040)
+    assert rows[0].predicted == pytest.approx(0.036 / 0.040)
+    assert steps.trim_rows("verify-all", log[:1]) == []  # no trimmed step
+    assert steps.trim_rows("no-spec", [st(8, 8, 0.015, None)]) == []
+    unpriced = [st(8, 64, 0.04, None, **d), st(8, 52, 0.04, None, **d)]
+    assert steps.trim_rows("verify-all", unpriced) == []  # rows capped at their end, no model

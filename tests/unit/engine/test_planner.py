@@ -1084,3 +1084,92 @@ def test_a_lagged_drafting_plan_carries_the_plain_steps_theta_it_was_weighed_aga
     assert math.isnan(p.plan(ids, logits, max_len, 40, 0).plain_theta)
     sync = VerifyPlanner(parse_schedule_mode("sync"), 4, cap, None, False, 0.0, False, False)
     assert math.isnan(sync.plan(ids, logits, max_len, 40).plain_theta)
+
+
+def _trim_setup(selective: bool, margin: float) -> tuple[object, list[int], np.ndarray, np.ndarray]:
+    """Two requests, one confident and one not, on a table where verifying the confident row's
+    four drafts (K = 4, B = 6) beats verifying all eight (B = 10) by `margin` of Θ: the lagged K
+    is the trimmed 4 until trimmed steps cost more than the model says."""
+    from dspark_sglang.algo.capacity import CapacityModel, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    ids, max_len = [7, 8], np.array([4, 4])
+    logits = np.array([[4.0] * 4, [-2.0] * 4])
+    probe = VerifyPlanner(
+        parse_schedule_mode("lagged"), 4, CapacityModel(TableModel((2, 64), (0.01, 0.02))),
+        None, False, 0.0, False,
+    )  # fmt: skip
+    probe.plan(ids, logits, max_len, 10, 0)
+    surv = probe.history.lagged(np.array(ids), 1, probe.prior)
+    a, b = float(surv[0].sum()), float(surv[1].sum())
+    trimmed_theta = (2.0 + a) / 0.020
+    full_s = (2.0 + a + b) / (trimmed_theta * (1.0 - margin))
+    table = TableModel((2, 6, 10), (0.01, 0.020, full_s))
+    return CapacityModel(table), ids, max_len, logits
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_a_trim_premium_moves_a_near_tie_to_verifying_every_draft(selective: bool) -> None:
+    """TrimPremium: where trimmed drafting steps at this R ran over their predicted seconds by
+    1 ms more than full ones, a K search that preferred the trimmed K by 1 % verifies every draft;
+    a premium learned at another R bin, or with the premium off, it keeps the trimmed K."""
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+
+    cap, ids, max_len, logits = _trim_setup(selective, 0.01)
+
+    def k_of(premium_at: int | None, on: bool = True) -> int:
+        p = VerifyPlanner(
+            parse_schedule_mode("lagged"), 4, cap, None, False, 0.0, False, selective,
+            step_bias=False, trim_premium=on,
+        )  # fmt: skip
+        p.plan(ids, logits, max_len, 10, 0)
+        p.plan(ids, logits, max_len, 10, 0)
+        if premium_at is not None:
+            for _ in range(200):
+                p.trim_premium.observe(premium_at, False, 0.021, 0.020)
+                p.trim_premium.observe(premium_at, True, 0.020, 0.020)
+        return p.budget(ids, max_len, 10)
+
+    assert k_of(None) == 4
+    assert k_of(2) == 8
+    assert k_of(16) == 4
+    assert k_of(2, on=False) == 4
+
+
+def test_observe_teaches_the_trim_premium_whole_batch_steady_drafting_steps_only() -> None:
+    """A steady K > 0 step that drafted the whole batch teaches TrimPremium as full (K verified
+    every draft) or trimmed; plain steps, probes and resumed drafter runs do not."""
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.engine.planner import VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    cap, ids, max_len, logits = _trim_setup(False, 0.01)
+    mode = parse_schedule_mode("lagged")
+    p = VerifyPlanner(mode, 4, cap, None, False, 0.0, False, True, trim_premium=True)
+    drafted = {"draft_seconds": 0.004, "num_draft_reqs": 2}
+
+    def step(k: int, b: int, seconds: float, **kw: object) -> None:
+        p.plan(ids, logits, max_len, 10, k)
+        rec = StepRecord(0, 2, b, 0, 2, 10, seconds, predicted_seconds=0.02, **kw)
+        p.observe(np.array([4, 4 if b == 10 else 0]), np.array([3, 0]), rec, ids)
+
+    def counts() -> tuple[float, float]:
+        row = p.trim_premium.bins.get(1, [0.0] * 5)
+        return row[1], row[3]
+
+    p.skip(ids, max_len, 10)
+    p.observe(
+        np.zeros(2, np.int64), np.zeros(2, np.int64), StepRecord(0, 2, 2, 0, 2, 10, 0.01), ids
+    )
+    step(4, 6, 0.03, draft_resumed=True, **drafted)  # leaves the plain step: resumed
+    assert counts() == (0.0, 0.0)
+    step(4, 6, 0.023, **drafted)  # steady, trimmed
+    step(8, 10, 0.021, **drafted)  # steady, full
+    assert counts() == (1.0, 1.0)
+    assert p.trim_premium.bins[1][0] == pytest.approx(0.003)
+    assert p.trim_premium.bins[1][2] == pytest.approx(0.001)
+    step(0, 3, 0.02, probe=True, **drafted)  # a probe
+    assert counts() == (1.0, 1.0)
+    assert p.state()["trim_premium"]["2"]["premium_s"] == pytest.approx(p.trim_premium.seconds(2))
