@@ -291,10 +291,6 @@ class DraftConfig:
     # the context rows that run queued, spread over the steps its requests have left
     # (engine/planner.py RESUME_HORIZON)
     resume_charge: bool = True
-    # lagged mode: a plan that verifies fewer than every draft (a ragged verify) is charged what
-    # such steps ran over the capacity model's prediction, less what full ones did, per R bin
-    # (algo.step_bias.TrimPremium)
-    trim_premium: bool = True
     # live capacity: pseudo-records holding the drafter's price at each R at the start-up
     # profile's while drafting steps there are few (algo.capacity_fit.EstimatorConfig; the
     # profile times the drafter alone, a drafting step adds its bookkeeping: docs/capacity.md)

@@ -181,14 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
         "its requests have left)",
     )
     a(
-        "--disable-trim-premium",
-        dest="trim_premium",
-        action="store_false",
-        help="lagged mode: do not charge a plan that verifies fewer than every draft what such "
-        "ragged verifies ran over the capacity model, less what full ones did (default: charged, "
-        "learned per batch-size bin)",
-    )
-    a(
         "--ep-size",
         type=int,
         default=1,
@@ -350,7 +342,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
             step_bias=args.step_bias,
             step_bias_prior=args.step_bias_prior,
             resume_charge=args.resume_charge,
-            trim_premium=args.trim_premium,
             draft_price_prior_weight=args.draft_price_prior_weight,
             replan_every=args.replan_every,
             draft_dtype=args.draft_dtype,

@@ -1,5 +1,4 @@
-"""The capacity model's error on each kind of step a lagged K chooses between, learned live
-(StepKindBias: drafting against plain; TrimPremium: a trimmed verify against a full one).
+"""The capacity model's error on each kind of step a lagged K chooses between, learned live.
 
 A lagged K = 0 step decodes plainly; a K > 0 step runs the drafter and a verify forward. The K
 search compares the two through one capacity model, so where they run within a few per cent of
@@ -98,70 +97,5 @@ class StepKindBias:
                 "plain_log_residual": p,
                 "plain_steps": np_,
                 "factor": math.exp(self.log_factor(r)),
-            }
-        return out
-
-
-# A bin's trim premium stays within this share of its full drafting steps' measured seconds.
-PREMIUM_MAX = 0.25
-
-
-@dataclass
-class TrimPremium:
-    """Per R bin, the seconds a trimmed drafting step (a K below every draft of every row: a
-    ragged verify) costs over what the capacity model predicts, less what a full one (every
-    draft verified: each row the same length) costs over its prediction; the K search adds it
-    to every trimmed plan.
-
-    The model prices a verify forward by its token count B, from uniform start-up shapes, and
-    the engine runs a ragged one in more pieces (query groups, row gathers): in every lagged
-    step log of sessions 51-55 a trimmed step at R <= 11 saved 0-2 % of a full step's time at
-    the same R where the model expected 3-5 %, and at R 5-8 in s55_warm it took 5 % longer
-    (bench.steps, "trimmed drafting steps over full ones"). Additive seconds, not a factor: the
-    excess is the forward's (both kinds draft the same rows), a fixed cost a step. Per kind
-    [mean residual seconds, steps], and the full steps' mean measured seconds for the clip;
-    shrunk toward 0 by BIAS_PRIOR steps of each kind. Pure Python."""
-
-    bins: dict[int, list[float]] = field(default_factory=dict)
-
-    def observe(self, r: int, full: bool, measured: float, predicted: float) -> None:
-        """Fold one steady drafting step that drafted every row: `full` = it verified every
-        draft, else fewer (trimmed); the seconds it took and the seconds it was planned at."""
-        if not (measured > 0.0 and predicted > 0.0 and math.isfinite(measured + predicted)):
-            return
-        clip = BIAS_CLIP * predicted  # a stall is not the shape's price
-        e = max(-clip, min(clip, measured - predicted))
-        row = self.bins.setdefault(bias_bin(r), [0.0, 0.0, 0.0, 0.0, 0.0])
-        i = 2 if full else 0
-        mean, n = row[i], row[i + 1]
-        rate = max(BIAS_RATE, 1.0 / (n + 1.0))
-        row[i] = mean + rate * (e - mean)
-        row[i + 1] = n + 1.0
-        if full:
-            row[4] += rate * (measured - row[4])
-
-    def seconds(self, r: int) -> float:
-        """The premium at R: trimmed steps' mean residual less full steps', weighted by the
-        evidence of both kinds (0 until both were seen), within ±PREMIUM_MAX of a full step."""
-        row = self.bins.get(bias_bin(r))
-        if row is None:
-            return 0.0
-        weight = row[1] / (row[1] + BIAS_PRIOR) * row[3] / (row[3] + BIAS_PRIOR)
-        cap = PREMIUM_MAX * row[4]
-        return max(-cap, min(cap, weight * (row[0] - row[2])))
-
-    def state(self) -> dict[str, dict[str, float]]:
-        """Per bin (the smallest R in it): both kinds' mean residual seconds and counts, and
-        the premium."""
-        out = {}
-        for b in sorted(self.bins):
-            t, nt, f, nf, _ = self.bins[b]
-            r = 1 if b == 0 else (1 << (b - 1)) + 1
-            out[str(r)] = {
-                "trimmed_residual_s": t,
-                "trimmed_steps": nt,
-                "full_residual_s": f,
-                "full_steps": nf,
-                "premium_s": self.seconds(r),
             }
         return out

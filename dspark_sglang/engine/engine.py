@@ -256,7 +256,6 @@ class LLMEngine:
             cfg.draft_price_prior_weight,
             cfg.user_rate_floor,
             cfg.tie_margin,
-            cfg.trim_premium,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

@@ -22,7 +22,7 @@ from dspark_sglang.algo.capacity_fit import (
     LiveEstimator,
     r_bin,
 )
-from dspark_sglang.algo.step_bias import StepKindBias, TrimPremium
+from dspark_sglang.algo.step_bias import StepKindBias
 from dspark_sglang.algo.survival import (
     AcceptancePrior,
     ConfidenceCorrection,
@@ -257,20 +257,6 @@ def _biased(
     return out, draft
 
 
-def _trim_charged(sps: np.ndarray, r: int, total: int, premium: float) -> np.ndarray:
-    """The SPS table with every trimmed plan, R < B < R + total (a drafted row verifies fewer
-    than its drafts: a ragged verify), `premium` seconds dearer (TrimPremium); the plain step
-    and the full verify, B = R + total, as they were."""
-    hi = min(r + total, sps.size)
-    if not premium or hi <= r + 1:
-        return sps
-    out = np.array(sps, np.float64, copy=True)
-    with np.errstate(divide="ignore"):
-        secs = 1.0 / out[r + 1 : hi] + premium
-    out[r + 1 : hi] = 1.0 / np.maximum(secs, 1e-9)
-    return out
-
-
 def _center(prior: AcceptancePrior, pool: np.ndarray | None) -> np.ndarray:
     """The average survival row LagShrink measures departures from: the pool's (rows drafted
     without selection, on the lagged rows' own scale) once it holds POOL_MIN, else the prior's."""
@@ -339,7 +325,6 @@ class VerifyPlanner:
         draft_price_prior_weight: float = DRAFT_PRIOR_WEIGHT,
         user_rate_floor: float = 0.0,
         tie_margin: float = 0.0,
-        trim_premium: bool = False,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: a drafting K widens to the largest K within this share of the best Θ
@@ -419,11 +404,6 @@ class VerifyPlanner:
         # lagged: the capacity model's error on drafting steps over plain ones (algo/step_bias.py)
         self.step_bias = StepKindBias(step_bias_prior)
         self._biased = step_bias and lagged and capacity is not None
-        # lagged: what a trimmed verify costs over the model, less a full one (algo/step_bias.py)
-        self.trim_premium = TrimPremium()
-        self._trims = trim_premium and lagged and capacity is not None
-        self._full_plan: bool | None = None  # this step verifies every draft (None: not a K > 0
-        # step drafting the whole batch, whose shape the premium learns from)
         # this step's drafts for observe_acceptance: (request ids, raw confidences, their
         # first-stage survival, the ConfidenceCorrection that survival was taken under)
         self._drafted: tuple[list[int], np.ndarray, np.ndarray, ConfidenceCorrection] | None = None
@@ -660,7 +640,6 @@ class VerifyPlanner:
         if self.plans_before_drafting and k is None:
             k = self.budget(ids, max_len, ctx)
         self._learns = True
-        self._full_plan = None
         # the next K search reads the survival pushed `lag` steps before it: that step plans
         if self._pinned and k and batch is None and self._pinned_left != self.mode.lag - 1:
             return self._pinned_plan(conf_logits, k, max_len, ctx, backlog)
@@ -702,8 +681,6 @@ class VerifyPlanner:
                 self._plain_run += 1
             else:
                 self._count_drafting(r)
-                if batch is None:
-                    self._full_plan = k >= int(np.asarray(max_len).sum())
             self._since_draft = 0
         else:
             conf = _conditionals(surv) if self._corrects else raw  # sync: the corrected survival
@@ -832,7 +809,6 @@ class VerifyPlanner:
             "pinned_steps": self.pinned_steps,
             "zero_pinned_steps": self.zero_pinned_steps,
             "step_bias": self.step_bias.state(),
-            "trim_premium": self.trim_premium.state(),
         }
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
@@ -880,7 +856,6 @@ class VerifyPlanner:
             self._rho(),
             self._bias(ids.size),
             self._resume_row_s(),
-            self._trim_s(ids.size),
         )
 
     def _memo_k(self, key: tuple[object, ...]) -> KPlan | None:
@@ -925,7 +900,6 @@ class VerifyPlanner:
         rho: float = 1.0,
         bias: float = 0.0,
         resume: float = 0.0,
-        trim: float = 0.0,
     ) -> KPlan:
         """K from the lagged survival, and with a row-priced drafter the rows that K drafts (all
         of them: `np.arange(R)`). Requests the snapshot lacks read the prior when chosen one by
@@ -936,11 +910,8 @@ class VerifyPlanner:
         charged for the resume it causes (`_skip_charge`). `rho`: how much of a lagged row's
         departure from the average row to believe (LagShrink). `bias`: the log factor on a
         drafting plan's seconds (StepKindBias). `resume`: seconds charged per drafted request for
-        projecting the context rows a plain run queued (_resume_row_s). `trim`: seconds a plan
-        that verifies fewer than every draft is charged over one that verifies them all
-        (TrimPremium)."""
+        projecting the context rows a plain run queued (_resume_row_s)."""
         sps, draft = _biased(sps, draft, ids.size, bias)
-        sps = _trim_charged(sps, ids.size, int(np.asarray(max_len).sum()), trim)
         sps, draft = _resume_charged(sps, draft, ids.size, resume)
         lagged, hit = _shrunk_lagged(history, ids, self.mode.lag, prior, pool, rho)
         tps = self._floor_tps(sps, ids.size)
@@ -1038,18 +1009,12 @@ class VerifyPlanner:
             elif self._steady_run and not (rec.draft_resumed or rec.probe) and rec.num_draft_reqs:
                 self._learn_steady(rec.num_draft_reqs, rec.draft_seconds)
         steady, self._resume_rows, self._steady_run = self._steady_run, 0, False
-        full, self._full_plan = self._full_plan, None
-        steady_drafting = (
-            steady and rec.draft_seconds > 0.0 and not (rec.probe or rec.draft_resumed)
-        )
         if self._biased and not rec.num_prefill_tokens:
             drafted = rec.draft_seconds > 0.0
-            if not drafted or steady_drafting:
+            if not drafted or (steady and not (rec.probe or rec.draft_resumed)):
                 self.step_bias.observe(
                     rec.num_reqs, drafted, rec.step_seconds, rec.predicted_seconds
                 )
-        if self._trims and full is not None and steady_drafting and not rec.num_prefill_tokens:
-            self.trim_premium.observe(rec.num_reqs, full, rec.step_seconds, rec.predicted_seconds)
         if self.estimator is None:
             return
         self._queued.append(rec)
@@ -1105,10 +1070,6 @@ class VerifyPlanner:
             return 0.0
         horizon = min(max(_pow2(left / per_step), 1.0), float(RESUME_HORIZON))
         return _pow2(backlog * self.flush_row_seconds / horizon * 1e6) * 1e-6
-
-    def _trim_s(self, r: int) -> float:
-        """TrimPremium's seconds at R, on a 10 us grid (a K memo survives small moves)."""
-        return round(self.trim_premium.seconds(r) * 1e5) * 1e-5 if self._trims else 0.0
 
     def _bias(self, r: int) -> float:
         """StepKindBias's log factor at R, in steps of 1/128 (a K memo survives small moves)."""

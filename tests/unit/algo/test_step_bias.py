@@ -1,5 +1,4 @@
-"""algo/step_bias.py: the capacity model's error on drafting steps over plain ones, and on
-trimmed verifies over full ones, per R bin."""
+"""algo/step_bias.py: the capacity model's error on drafting steps over plain ones, per R bin."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ from dspark_sglang.algo.step_bias import (
     BIAS_MAX,
     BIAS_PRIOR,
     BIAS_RATE,
-    PREMIUM_MAX,
     StepKindBias,
-    TrimPremium,
     bias_bin,
 )
 
@@ -112,41 +109,3 @@ def test_a_bin_starts_from_the_prior_and_evidence_shrinks_it_away() -> None:
     for bad in (1.0, -0.5, float("nan")):
         with pytest.raises(ValueError, match="prior"):
             StepKindBias(prior=bad)
-
-
-def test_the_trim_premium_is_the_kinds_residual_difference_shrunk_by_their_evidence() -> None:
-    t = TrimPremium()
-    assert t.seconds(6) == 0.0
-    for _ in range(16):
-        t.observe(6, False, 0.042, 0.040)  # trimmed: 2 ms over the model
-    assert t.seconds(6) == 0.0  # no full step yet: nothing to tell them apart by
-    for _ in range(16):
-        t.observe(7, True, 0.0405, 0.040)  # full: 0.5 ms over, the same bin (5-8)
-    # both means exact over their first records; each kind's weight 16 / (16 + 16)
-    assert t.seconds(8) == pytest.approx(0.25 * 0.0015)
-    assert t.seconds(4) == 0.0 and t.seconds(9) == 0.0  # other bins saw nothing
-    for _ in range(2000):
-        t.observe(6, False, 0.042, 0.040)
-        t.observe(6, True, 0.0405, 0.040)
-    assert t.seconds(5) == pytest.approx(0.0015, rel=0.02)
-    state = t.state()["5"]
-    assert state["trimmed_steps"] == 2016 and state["full_steps"] == 2016
-    assert state["premium_s"] == pytest.approx(t.seconds(5))
-
-
-def test_the_trim_premium_clips_stalls_and_stays_within_a_share_of_a_full_step() -> None:
-    t = TrimPremium()
-    t.observe(1, False, 10.0, 0.01)  # a stall: counts as BIAS_CLIP of the prediction
-    assert t.bins[0][0] == pytest.approx(BIAS_CLIP * 0.01)
-    t.observe(1, True, 0.01, 0.01)
-    t.observe(1, True, float("nan"), 0.01)  # ignored
-    t.observe(1, True, 0.01, 0.0)
-    assert t.bins[0][3] == 1.0
-    for _ in range(5000):
-        t.observe(1, False, 0.015, 0.01)  # trimmed steps half again over the model
-        t.observe(1, True, 0.01, 0.01)
-    assert t.seconds(1) == pytest.approx(PREMIUM_MAX * 0.01)
-    for _ in range(5000):
-        t.observe(1, False, 0.005, 0.01)  # ... and then half under it
-        t.observe(1, True, 0.01, 0.01)
-    assert t.seconds(1) == pytest.approx(-PREMIUM_MAX * 0.01)

@@ -540,7 +540,7 @@ def test_lagged_k_memo_changes_no_decision(
     one free-drafter step)."""
     from dspark_sglang.engine.planner import VerifyPlanner
 
-    untimed = {"replan_every": 1, "step_bias": False, "resume_charge": False, "trim_premium": False}
+    untimed = {"replan_every": 1, "step_bias": False, "resume_charge": False}
     monkeypatch.setattr(VerifyPlanner, "_learn_resume", lambda self, rows, seconds: None)
 
     target, _ = pair

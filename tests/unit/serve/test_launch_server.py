@@ -86,9 +86,6 @@ def test_derived_addresses_for_several_workers(model: Path) -> None:
     assert cfg.draft.resume_charge  # leaving a plain run pays for the context it queued
     free = build_parser().parse_args(["--model-path", str(model), "--disable-resume-charge"])
     assert not config_from_args(free).draft.resume_charge
-    assert cfg.draft.trim_premium  # a ragged verify pays what it ran over the model
-    flat = build_parser().parse_args(["--model-path", str(model), "--disable-trim-premium"])
-    assert not config_from_args(flat).draft.trim_premium
     assert cfg.model.cpu_malloc_keep_mib == 256  # a CPU engine keeps freed heap for reuse
     kept = build_parser().parse_args(["--model-path", str(model), "--cpu-malloc-keep-mib", "0"])
     assert config_from_args(kept).model.cpu_malloc_keep_mib == 0
