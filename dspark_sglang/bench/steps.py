@@ -29,6 +29,7 @@ logs only: no engine, no network.
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
 import itertools
 import json
@@ -307,10 +308,12 @@ def trim_rows(policy: str, steps: list[_Step], window: int = TRIM_WINDOW) -> lis
         if s.num_tokens < s.num_reqs * per_row:
             trimmed.setdefault(s.num_reqs, []).append((i, s))
     pairs: list[tuple[int, float, float, float]] = []  # (R, B share, measured, predicted)
+    at = {r: [j for j, _ in ts] for r, ts in trimmed.items()}  # step indices, ascending
     for i, f in full:
-        for j, t in trimmed.get(f.num_reqs, ()):
-            if abs(j - i) > window:
-                continue
+        near = trimmed.get(f.num_reqs, [])
+        lo = bisect.bisect_left(at.get(f.num_reqs, []), i - window)
+        hi = bisect.bisect_right(at.get(f.num_reqs, []), i + window)
+        for _, t in near[lo:hi]:
             pred = (
                 t.predicted_seconds / f.predicted_seconds
                 if _finite(t.predicted_seconds, f.predicted_seconds) and f.predicted_seconds > 0
