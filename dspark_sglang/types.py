@@ -128,6 +128,10 @@ class StepRecord:
     # record: decode-worker work between steps that step_seconds leaves out (a speculative
     # engine writes each handoff's drafter context, 0.4-1.5 ms a request on the CPU engine)
     adopt_seconds: float = 0.0
+    # lagged: K drafted the whole batch to time the drafter at an R bin where fewer than
+    # CAP_MIN_RECORDS drafting steps had (exploration, EXPLORE_RATIO), not because it was the
+    # best plan: what learning the price costs (bench.steps, "time by step kind")
+    explored: bool = False
     # lagged: the step verified every draft without a K search or acceptance learning (pinned at
     # verify-all, engine/planner.py PIN_PLANS)
     pinned: bool = False

@@ -20,7 +20,9 @@ forward, (R, B), in the same time, and on a shared host they do not (a served sw
 next 2 %), which a throughput ratio between them cannot tell from a policy's effect.
 And, for a schedule that verifies fewer than every draft (lagged, sync), what trimming saved:
 its trimmed drafting steps over full ones at the same R nearby, measured and as the capacity
-model predicted them (`trim_rows`).
+model predicted them (`trim_rows`). Last, per policy that ran more than one kind of step, the
+time by step kind (plain, full, trimmed, resumed, probe, explore) and what each kind lost
+against the best steady kind at the same R (`bench.step_kinds`).
 Request-level throughput mixes arrivals, tails and prefill into every number; these rates
 compare the policies' steps at equal load, which is what a verify schedule decides. Reads the
 logs only: no engine, no network.
@@ -66,6 +68,7 @@ class _Step(msgspec.Struct):
     started_at: float | None = None
     adopt_seconds: float = 0.0
     pinned: bool = False
+    explored: bool = False
     # set by read_steps from the next record: the gap to it when it is a decode step of the
     # same requests (None: a request left or joined, a prefill step, the log's end, or
     # unstamped records), and the adoptions it carries (those between the two steps)
@@ -448,7 +451,16 @@ def main(argv: list[str] | None = None) -> int:
         "shapes cell by cell, each policy's cell with the reference's at the same pass and c "
         "(bench.paired_speed)",
     )
+    ap.add_argument(
+        "--min-kind-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time by step kind: hide a bin's kinds with fewer steps (default %(default)s)",
+    )
     args = ap.parse_args(argv)
+    if args.min_kind_steps < 1:
+        ap.error("--min-kind-steps must be >= 1")
     if args.cells is not None and not args.cells.is_file():
         ap.error(f"--cells {args.cells}: no such file")
     if args.min_steps < 1:
@@ -479,6 +491,15 @@ def main(argv: list[str] | None = None) -> int:
     print_speed(speed)
     trims = [t for policy, ss in read.items() for t in trim_rows(policy, ss)]
     print_trim(trims)
+    from dspark_sglang.bench import step_kinds  # it builds on this module
+
+    kinds = [
+        k
+        for policy, ss in read.items()
+        for k in step_kinds.kind_rows(policy, ss)
+        if k.r_hi == 0 or k.steps >= args.min_kind_steps
+    ]
+    step_kinds.print_kinds(kinds)
     paired = []
     if args.cells is not None:
         from dspark_sglang.bench import paired_speed  # it builds on this module
@@ -506,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             "speed": [_plain(r) for r in speed],
             "speed_paired": [_plain(r) for r in paired],
             "trim": [_plain(r) for r in trims],
+            "kinds": [_plain(r) for r in kinds],
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -738,6 +738,7 @@ class LLMEngine:
             started_at=self._started_at,
             adopt_seconds=self._adopt_seconds,
             pinned=p is not None and p.pinned,
+            explored=p is not None and p.explored,
         )
         self._adopt_seconds = 0.0
         if self.planner is not None and p is not None:

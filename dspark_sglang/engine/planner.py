@@ -210,8 +210,9 @@ def _conditionals(surv: np.ndarray) -> np.ndarray:
 
 
 Rows = np.ndarray | None  # selective lagged: the requests a K drafts (None: not selective)
-# a lagged K, the rows it drafts and the tokens it was planned on (verify_budget.planned_tokens)
-KPlan = tuple[int, Rows, float]
+# a lagged K, the rows it drafts, the tokens it was planned on (verify_budget.planned_tokens) and
+# whether exploration chose it (the drafter's price at this R untested, EXPLORE_RATIO)
+KPlan = tuple[int, Rows, float, bool]
 
 
 def _planned(theta: float, sps: np.ndarray, r: int, k: int, draft_s: float) -> float:
@@ -303,6 +304,7 @@ class Plan:
     planned_tokens: float = math.nan  # lagged K > 0: the tokens K was planned on (StepRecord)
     pinned: bool = False  # lagged: K taken from the pin, without a search (PIN_PLANS)
     plain_theta: float = math.nan  # lagged K > 0: the model's Θ of a plain step (StepRecord)
+    explored: bool = False  # lagged: K drafts the batch to time an untested drafter price
 
 
 class VerifyPlanner:
@@ -414,6 +416,7 @@ class VerifyPlanner:
         # the last K and what it was planned from (identities + bytes): the same inputs, same K
         self._k_memo: tuple[tuple[object, ...], KPlan] | None = None
         self._k_planned = math.nan  # what budget()'s K was planned on, for plan()
+        self._k_explored = False  # budget()'s K drafts the batch to time an untested price
         self._next_key: tuple[object, ...] | None = None  # the inputs _next_k is computed from
         self._next_for = (b"", b"")  # (ids, max_len) bytes _next_k's rows index into
         # lagged: recent survival rows drafted without selection (POOL_ROWS; read-only array)
@@ -490,6 +493,7 @@ class VerifyPlanner:
         key = _batch_key(ids, max_len) if self.replan_every > 1 else None
         pinned = self._pin_holds(key)
         self._pinned = pinned > 0
+        self._k_explored = False
         if self._pinned:
             self._k_planned, self._fallback, self._k_rows = math.nan, "", None
             return pinned
@@ -497,7 +501,7 @@ class VerifyPlanner:
         if zero_key is not None and self._zero_holds(zero_key):
             self._k_planned, self._fallback, self._k_rows = math.nan, "", None
             return 0
-        k, rows, self._k_planned, self._fallback = self._lagged_k(
+        k, rows, self._k_planned, self._k_explored, self._fallback = self._lagged_k(
             np.asarray(ids), self._sps(len(ids), ctx), max_len
         )
         self._k_rows = None if rows is None else (_batch_key(ids, max_len), k, rows)
@@ -747,6 +751,7 @@ class VerifyPlanner:
             planned_tokens=planned,
             pinned=self._pinned,  # the step the next search reads: K pinned, planned as usual
             plain_theta=plain,
+            explored=bool(self.plans_before_drafting and k and self._k_explored),
         )
 
     def _plain_theta(self, r: int, ctx: int, k: int | None) -> float:
@@ -926,7 +931,7 @@ class VerifyPlanner:
             k, tau = lagged_global_plan(
                 surv, sps, max_len=max_len, min_user_tps=tps, tie_margin=self.tie_margin
             )
-            return k, None, tau if k > 0 else math.nan
+            return k, None, tau if k > 0 else math.nan, False
         if skip_charge:  # draft[n]: the drafter of n rows; draft[0]: none (a plain step)
             draft = draft.copy()
             draft[0] = skip_charge
@@ -936,7 +941,7 @@ class VerifyPlanner:
         )
         planned = _planned(theta, sps, r, k, float(draft[rows.size]))
         if fill is None and not explore:
-            return k, rows, planned
+            return k, rows, planned, False
         every = np.full_like(draft, draft[-1])
         every[0] = draft[0]
         surv = lagged if fill is None else fill
@@ -944,7 +949,7 @@ class VerifyPlanner:
             surv, sps, every, max_len=max_len, min_user_tps=tps, tie_margin=self.tie_margin
         )
         if k_all > 0 and theta_all > theta:
-            return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
+            return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1])), False
         if explore and not (k_all == 0 and self.user_rate_floor > 0.0):
             if k_all == 0:  # the best plan that drafts: every row verifies at least one draft
                 once = np.minimum(np.asarray(max_len), 1)
@@ -952,8 +957,9 @@ class VerifyPlanner:
                     surv, sps, every, min_len=once, max_len=max_len, min_user_tps=tps
                 )
             if k_all > 0 and theta_all >= self.explore_ratio * theta:
-                return k_all, np.arange(r), _planned(theta_all, sps, r, k_all, float(draft[-1]))
-        return k, rows, planned
+                planned_all = _planned(theta_all, sps, r, k_all, float(draft[-1]))
+                return k_all, np.arange(r), planned_all, True
+        return k, rows, planned, False
 
     def _floor_tps(self, sps: np.ndarray, r: int) -> float:
         """The per-request tokens/s floor a K search keeps: `min_user_tps`, or `user_rate_floor`
@@ -968,17 +974,18 @@ class VerifyPlanner:
 
     def _lagged_k(
         self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray
-    ) -> tuple[int, Rows, float, str]:
+    ) -> tuple[int, Rows, float, bool, str]:
         future, self._next_k = self._next_k, None
         if future is not None:
-            k, rows, planned = future if isinstance(future, tuple) else future.result()
+            got = future if isinstance(future, tuple) else future.result()
             if self._next_key is not None:
-                self._k_memo, self._next_key = (self._next_key, (k, rows, planned)), None
+                self._k_memo, self._next_key = (self._next_key, got), None
             # planned for last step's batch: its rows and tokens are this one's only if the batch
             # is the same
+            k, rows, planned, explored = got
             if self._next_for == _batch_key(ids, max_len):
-                return k, rows, planned, ""
-            return k, None, math.nan, ""
+                return k, rows, planned, explored, ""
+            return k, None, math.nan, explored, ""
         # No plan from the previous step (first step, or overlap off): the same rule inline.
         key = self._k_key(ids, sps, max_len)
         got = self._memo_k(key)

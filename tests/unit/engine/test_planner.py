@@ -423,6 +423,7 @@ def test_absent_requests_read_the_pool_when_the_whole_batch_is_drafted(overlap: 
     k = p.budget(fresh, max_len, 80)
     assert k > 0 and p.draft_rows(fresh, k, max_len) is None
     assert p.history.lagged_with_hits(np.array(fresh), 2, p.prior)[1].sum() == 0  # all absent
+    assert not p.plan(fresh, split, max_len, 80, k).explored  # the best plan, not exploration
     p.close()
     few = planner(split, probes=POOL_MIN // 8 - 1)
     assert few.budget(fresh, max_len, 80) == 0
@@ -464,6 +465,7 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
     p = planner(cheap)
     k = p.budget(ids, max_len, 80)
     assert k == 8 and p.draft_rows(ids, k, max_len) is None  # every row
+    assert p.plan(ids, logits, max_len, 80, k).explored  # StepRecord.explored: bench.step_kinds
     assert p.estimator is not None
     for t in range(CAP_MIN_RECORDS):
         p.estimator.observe(
