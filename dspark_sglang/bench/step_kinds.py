@@ -10,12 +10,16 @@ subset, or rows capped near their end). Each step is set against the best steady
 its R (tokens emitted per second of step time; at its exact R where that kind ran there at
 least MIN_KIND_STEPS times, else over its R bin): `lost` is its seconds less the seconds that
 rate takes for its tokens. Summed per kind, that is what each kind cost against the best steady
-way this deployment decoded at that load; for the steady kinds, what mixing them cost.
+way this deployment decoded at that load. It is an average rate, not what the step would have
+made the other way: the planner trims or skips drafting where it expects the drafts to fare
+badly, so its trimmed and plain steps run in worse spells than its full ones, and their lost
+seconds overstate what mixing cost (s56_full: lagged's trimmed steps at R = 2 "lost" 7.8 % of
+that load's time to its full ones there, while lagged's R = 2 rate was the best of the four
+policies'). The learning kinds (explore, probe, resumed) are not chosen on the drafts' outlook,
+so theirs read closer to a cost.
 
-Session 56 (docs/results/s56_notes.txt) read the same off three 4-pass sweeps' logs by hand: the
-first five drafting steps of a deployment at R 17-32 and at 33-64 (its exploration, from the
-resumed step that starts it) cost 0.01-0.44 s a deployment, up to 4 % of that load's decode
-time, probes 0.01-0.09 s; at R 5-16 the cost sat in steady trimmed drafting and backlogs.
+In session 56's sweep (docs/results/s56_notes.txt) lagged's exploration steps lost 2.4 s of its
+decode time over every R (1.0 %), 3.0 % of it at R 33-64; probes 0.9 s, resumed steps 4.2 s.
 """
 
 from __future__ import annotations
