@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -526,7 +526,29 @@ def run_policy(
     print(f"== pass {pass_no} {policy}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     with Server(cmd, f"http://127.0.0.1:{args.port}", log_path, args.ready_timeout) as server:
         groups = {policy: server.pid}
+        if args.burn_in:
+            burn_in(args, (policy,), pass_no, lambda p: 0)
         return [measure(args, policy, c, pass_no, jsonl, 0, groups) for c in args.concurrency]
+
+
+def burn_in(
+    args: argparse.Namespace, order: Sequence[str], pass_no: int, slot: Callable[[str], int]
+) -> None:
+    """--burn-in: each deployment serves one untimed run at every concurrency level, in the
+    timed cells' order, before any is measured; nothing is kept but a line on stderr. A lagged
+    deployment's first visit to a load pays what it learns there (the drafter's price explored
+    at each new batch size, young step-kind and capacity corrections; session 56: exploration
+    alone was 1-3 % of its decode time at R 17-64 on fresh deployments), and a sweep that starts
+    every deployment cold and visits each load once books all of it on the timed cells, where a
+    long-running deployment pays it once."""
+    for j, c in enumerate(args.concurrency):
+        for p in level_order(order, pass_no, j):
+            rec = serving.run(bench_args(args, p, c, slot(p)))
+            print(
+                f"   burn-in c={c:<3d} {p:<10s} {rec['output_throughput']:8.1f} tok/s (not kept)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def level_order(policies: Sequence[str], pass_no: int, level: int) -> list[str]:
@@ -558,13 +580,18 @@ def run_interleaved(
     passes, where the verdict's interval sees it."""
     out = []
     passes = range(first, first + args.passes)
+    slot = args.policies.index
     if not args.fresh_deployments:
         with deployments(args, args.policies, log_path) as groups:
+            if args.burn_in:
+                burn_in(args, args.policies, first, slot)
             for k in passes:
                 out += measure_pass(args, k, jsonl, groups)
         return out
     for k in passes:
         with deployments(args, level_order(args.policies, k, 0), log_path) as groups:
+            if args.burn_in:
+                burn_in(args, args.policies, k, slot)
             out += measure_pass(args, k, jsonl, groups)
     return out
 
@@ -724,6 +751,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --interleave: start every policy's server anew for each pass (a deployment's "
         "own speed then varies between passes instead of staying with the policy)",
+    )
+    ap.add_argument(
+        "--burn-in",
+        action="store_true",
+        help="before its timed cells each deployment serves one untimed run at every "
+        "concurrency level (with --fresh-deployments: every pass's deployments), so the cells "
+        "measure engines that have served every load once, as a long-running one has",
     )
     ap.add_argument(
         "--passes",

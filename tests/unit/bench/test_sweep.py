@@ -222,6 +222,56 @@ def test_fresh_deployments_start_every_policy_anew_each_pass_on_its_own_ports(
     assert "--fresh-deployments needs --interleave" in capsys.readouterr().err
 
 
+def test_burn_in_runs_every_level_untimed_before_each_fresh_pass_and_keeps_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--burn-in: after each pass's deployments start, every policy serves every concurrency
+    level once (the timed cells' order, on its own port) before the first timed cell; the burn-in
+    runs are not in the JSONL. Without --interleave the one deployment burns in before its
+    cells; without --fresh-deployments the shared deployments burn in once."""
+    events: list[tuple[str, ...]] = []
+
+    class FakeServer(_FakeServer):
+        def __init__(self, cmd: list[str], url: str, *_: object) -> None:
+            mode = cmd[cmd.index("--schedule-mode") + 1] if "--schedule-mode" in cmd else "none"
+            self.key = (mode, url.rsplit(":", 1)[1])
+
+        def __enter__(self) -> FakeServer:
+            events.append(("start", *self.key))
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            events.append(("stop", *self.key))
+
+    def fake_run(ns: object) -> dict:
+        meta = dict(ns.metadata)  # type: ignore[attr-defined]
+        port = ns.base_url.rsplit(":", 1)[1]  # type: ignore[attr-defined]
+        events.append(("run", meta["policy"], str(meta["concurrency"]), port))
+        return _fake_result(ns)
+
+    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep.serving, "run", fake_run)
+    argv = ["--interleave", "--fresh-deployments", "--burn-in", "--passes", "2", "--policies"]
+    argv += ["verify-all,lagged", "--concurrency", "1,2", "--out-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--name", "b"]) == 0
+    kinds = [e[0] for e in events]
+    assert kinds == (["start"] * 2 + ["run"] * 8 + ["stop"] * 2) * 2  # 4 burn-in, 4 timed
+    runs = [e[1:3] for e in events if e[0] == "run"]
+    assert runs[:4] == runs[4:8]  # the burn-in visits the levels in the timed cells' order
+    assert {e[1:3] for e in events[2:6]} == {(p, c) for p in ("verify-all", "lagged") for c in "12"}
+    port = {e[1]: e[2] for e in events if e[0] == "start"}
+    assert all(e[3] == port[e[1]] for e in events if e[0] == "run")
+    assert len((tmp_path / "b.jsonl").read_text().splitlines()) == 8  # 2 passes x 4 timed cells
+    assert "burn-in c=1" in capsys.readouterr().err
+    events.clear()
+    assert sweep.main(["--burn-in", *argv[3:], "--name", "s"]) == 0  # sequential, per policy
+    kinds = [e[0] for e in events]
+    assert kinds == (["start"] + ["run"] * 4 + ["stop"]) * 4
+    events.clear()
+    assert sweep.main(["--interleave", *argv[2:], "--name", "o"]) == 0  # shared deployments
+    assert [e[0] for e in events] == ["start"] * 2 + ["run"] * 12 + ["stop"] * 2
+
+
 def test_level_order_never_measures_a_policy_twice_in_a_row_and_balances_places() -> None:
     """Within a pass no policy runs two cells back to back, and over n passes each policy takes
     every place at every level once (two policies: the order flips from pass to pass)."""
