@@ -135,6 +135,24 @@ class _FakeServer:
         pass
 
 
+def _logging_server(events: list) -> type[_FakeServer]:
+    """A fake server class that appends ("start" | "stop", policy's mode, port) to `events`."""
+
+    class LoggingServer(_FakeServer):
+        def __init__(self, cmd: list[str], url: str, *_: object) -> None:
+            mode = cmd[cmd.index("--schedule-mode") + 1] if "--schedule-mode" in cmd else "none"
+            self.key = (mode, url.rsplit(":", 1)[1])
+
+        def __enter__(self) -> LoggingServer:
+            events.append(("start", *self.key))
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            events.append(("stop", *self.key))
+
+    return LoggingServer
+
+
 def _fake_result(ns: object) -> dict:
     """What serving.run returns for one level, from the sweep's own arguments."""
     meta = dict(ns.metadata)  # type: ignore[attr-defined]
@@ -188,24 +206,12 @@ def test_fresh_deployments_start_every_policy_anew_each_pass_on_its_own_ports(
     --interleave the flag is an error naming it."""
     events: list[tuple[str, str, str]] = []
 
-    class FakeServer(_FakeServer):
-        def __init__(self, cmd: list[str], url: str, *_: object) -> None:
-            mode = cmd[cmd.index("--schedule-mode") + 1] if "--schedule-mode" in cmd else "none"
-            self.key = (mode, url.rsplit(":", 1)[1])
-
-        def __enter__(self) -> FakeServer:
-            events.append(("start", *self.key))
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            events.append(("stop", *self.key))
-
     def fake_run(ns: object) -> dict:
         meta = dict(ns.metadata)  # type: ignore[attr-defined]
         events.append(("measure", meta["policy"], ns.base_url.rsplit(":", 1)[1]))  # type: ignore[attr-defined]
         return _fake_result(ns)
 
-    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep, "Server", _logging_server(events))
     monkeypatch.setattr(sweep.serving, "run", fake_run)
     argv = ["--interleave", "--fresh-deployments", "--passes", "3", "--policies"]
     argv += ["verify-all,lagged", "--concurrency", "1,2", "--out-dir", str(tmp_path)]
@@ -231,25 +237,13 @@ def test_burn_in_runs_every_level_untimed_before_each_fresh_pass_and_keeps_none(
     cells; without --fresh-deployments the shared deployments burn in once."""
     events: list[tuple[str, ...]] = []
 
-    class FakeServer(_FakeServer):
-        def __init__(self, cmd: list[str], url: str, *_: object) -> None:
-            mode = cmd[cmd.index("--schedule-mode") + 1] if "--schedule-mode" in cmd else "none"
-            self.key = (mode, url.rsplit(":", 1)[1])
-
-        def __enter__(self) -> FakeServer:
-            events.append(("start", *self.key))
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            events.append(("stop", *self.key))
-
     def fake_run(ns: object) -> dict:
         meta = dict(ns.metadata)  # type: ignore[attr-defined]
         port = ns.base_url.rsplit(":", 1)[1]  # type: ignore[attr-defined]
         events.append(("run", meta["policy"], str(meta["concurrency"]), port))
         return _fake_result(ns)
 
-    monkeypatch.setattr(sweep, "Server", FakeServer)
+    monkeypatch.setattr(sweep, "Server", _logging_server(events))
     monkeypatch.setattr(sweep.serving, "run", fake_run)
     argv = ["--interleave", "--fresh-deployments", "--burn-in", "--passes", "2", "--policies"]
     argv += ["verify-all,lagged", "--concurrency", "1,2", "--out-dir", str(tmp_path)]
