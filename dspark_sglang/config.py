@@ -482,6 +482,37 @@ def is_loopback_addr(addr: str) -> bool:
     return scheme == "tcp" and (host in ("localhost", "::1") or host.startswith("127."))
 
 
+def parse_cpu_list(text: str, flag: str) -> tuple[int, ...]:
+    """`0-3,8` -> (0, 1, 2, 3, 8), sorted and unique; ConfigError naming `flag`."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ConfigError(
+                f"{flag} {text!r}: expected CPU ids and ranges such as 0-3,8, got {part!r}"
+            ) from None
+        if first < 0 or last < first:
+            raise ConfigError(f"{flag} {text!r}: bad CPU range {part.strip()!r}")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus: tuple[int, ...] | list[int] | set[int]) -> str:
+    """(0, 1, 2, 3, 8) -> `0-3,8` (what parse_cpu_list reads back)."""
+    out: list[str] = []
+    ids = sorted(set(cpus))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Serving processes: HTTP front, ZMQ addresses, flow control, heartbeats, peer security."""
@@ -503,6 +534,13 @@ class ServeConfig:
     max_message_bytes: int = 1 << 30  # larger ZMQ messages are dropped by the receiver
     # each worker appends its StepRecords to DIR/<worker>.steps.jsonl (--step-log)
     step_log_dir: str | None = None
+    # CPU affinity (Linux): the router's CPUs, and the prefill / decode workers' (one set for
+    # every worker of the role, or one per worker, in address order); () = the launcher's own.
+    # A CPU engine's step is its host's CPU time: a decode worker sharing cores with the router,
+    # the prefill worker and a load generator runs each step at whatever the others leave it.
+    router_cpus: tuple[int, ...] = ()
+    prefill_cpus: tuple[tuple[int, ...], ...] = ()
+    decode_cpus: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         addrs = (self.api_addr, *self.prefill_addrs, *self.decode_addrs)
@@ -527,6 +565,31 @@ class ServeConfig:
             raise ConfigError("--max-pending-requests and --request-timeout must be positive")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        for role, sets, addrs in (
+            ("prefill", self.prefill_cpus, self.prefill_addrs),
+            ("decode", self.decode_cpus, self.decode_addrs),
+        ):
+            if len(sets) not in (0, 1, len(addrs)):
+                raise ConfigError(
+                    f"--{role}-cpus: give one CPU list for every {role} worker or one per "
+                    f"worker ({len(addrs)}, separated by ';'), got {len(sets)}"
+                )
+        for flag, sets in (
+            ("--router-cpus", (self.router_cpus,) if self.router_cpus else ()),
+            ("--prefill-cpus", self.prefill_cpus),
+            ("--decode-cpus", self.decode_cpus),
+        ):
+            if any(not cpus or min(cpus) < 0 for cpus in sets):
+                raise ConfigError(f"{flag}: each CPU list needs at least one CPU id >= 0")
+
+    def cpus_for(self, role: str, index: int = 0) -> tuple[int, ...]:
+        """The CPUs `role` (router, prefill or decode) worker `index` is pinned to; () = none."""
+        if role == "router":
+            return self.router_cpus
+        sets = self.prefill_cpus if role == "prefill" else self.decode_cpus
+        if not sets:
+            return ()
+        return sets[0] if len(sets) == 1 else sets[index]
 
 
 DIST_BACKENDS = ("auto", "gloo", "nccl")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
+from dspark_sglang.algo.verify_budget import parse_schedule_mode
 from dspark_sglang.assets import ASSETS_DIR, bundled_target_dir
 from dspark_sglang.config import (
     BLOCK_ORDERS,
@@ -24,6 +26,7 @@ from dspark_sglang.config import (
     ParallelConfig,
     SchedConfig,
     ServeConfig,
+    parse_cpu_list,
 )
 
 BUNDLED_DRAFTER = ASSETS_DIR / "drafters" / "dspark"
@@ -233,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     a("--num-prefill-workers", type=int, default=1)
     a("--num-decode-workers", type=int, default=1)
+    cpus = "CPU ids and ranges, e.g. 0-3,8"
+    a("--router-cpus", help=f"pin the router (HTTP front) to these CPUs ({cpus}; Linux)")
+    a(
+        "--prefill-cpus",
+        help=f"pin the prefill workers to these CPUs ({cpus}): one list for all of them, or one "
+        "per worker separated by ';' (Linux; default: the launcher's CPUs)",
+    )
+    a("--decode-cpus", help="pin the decode workers to these CPUs, as --prefill-cpus")
     a("--zmq-host", default="127.0.0.1", help="host of the derived ZMQ addresses")
     a(
         "--zmq-port",
@@ -278,9 +289,23 @@ def _addrs(args: argparse.Namespace) -> tuple[str, tuple[str, ...], tuple[str, .
     )
 
 
+def _cpu_sets(text: str | None, flag: str) -> tuple[tuple[int, ...], ...]:
+    """`0-1;2-3` -> one CPU set per worker; each id must name a CPU of this host."""
+    if text is None:
+        return ()
+    sets = tuple(parse_cpu_list(part, flag) for part in text.split(";"))
+    have = os.cpu_count() or 1
+    bad = sorted({c for cpus in sets for c in cpus if c >= have})
+    if bad:
+        raise ConfigError(f"{flag} {text!r}: CPU ids {bad} do not exist (this host has {have})")
+    return sets
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     if args.engine == "sglang":
         raise ConfigError("--engine sglang: main() hands it to dspark_sglang.sglang_launch")
+    if args.speculative_algorithm == "dspark":  # here, not in a worker that dies at start-up
+        parse_schedule_mode(args.schedule_mode)
     if args.capacity_profile is not None and not Path(args.capacity_profile).is_file():
         raise ConfigError(f"--capacity-profile {args.capacity_profile} does not exist")
     model, draft = args.model_path, args.draft_model_path
@@ -303,6 +328,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--ep-size {args.ep_size} needs a readable target: {e}") from None
         parallel.check_arch(arch)
     api, pre, dec = _addrs(args)
+    router_cpus = _cpu_sets(args.router_cpus, "--router-cpus")
+    if len(router_cpus) > 1:
+        raise ConfigError(f"--router-cpus {args.router_cpus!r}: one CPU list (no ';')")
     return Config(
         model=ModelConfig(
             path=model,
@@ -363,6 +391,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             step_log_dir=args.step_log,
+            router_cpus=router_cpus[0] if router_cpus else (),
+            prefill_cpus=_cpu_sets(args.prefill_cpus, "--prefill-cpus"),
+            decode_cpus=_cpu_sets(args.decode_cpus, "--decode-cpus"),
         ),
     )
 

@@ -18,11 +18,14 @@ import urllib.request
 import msgspec
 import uvicorn
 
-from dspark_sglang.config import Config
+from dspark_sglang.config import Config, format_cpu_list, parse_cpu_list
 
 log = logging.getLogger("dspark_sglang.launch")
 MAX_RESTARTS = 5
 PARENT_ENV = "DSPARK_PARENT_PID"  # same name as serve.worker.PARENT_ENV (no torch import here)
+# The launcher's own CPUs, for a child with none configured: it must not inherit the router's
+# (run_all pins the router after its first spawns, and a restarted worker is spawned after that)
+CPUS_ENV = "DSPARK_LAUNCHER_CPUS"
 
 
 def _logging() -> None:
@@ -31,9 +34,36 @@ def _logging() -> None:
     )
 
 
+def pin(cfg: Config, role: str, index: int = 0) -> tuple[int, ...]:
+    """Pin this process to its configured CPUs (else, spawned by run_all, to the launcher's);
+    -> the CPUs it was pinned to, () when it was not. Before a worker imports torch, so its
+    thread pools size themselves to those CPUs. SystemExit naming the flag when the OS refuses."""
+    cpus = cfg.serve.cpus_for(role, index)
+    flag = f"--{role}-cpus"
+    if not cpus and os.environ.get(CPUS_ENV):
+        cpus, flag = parse_cpu_list(os.environ[CPUS_ENV], CPUS_ENV), CPUS_ENV
+    if not cpus:
+        return ()
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit(f"error: {flag}: this OS cannot pin a process to CPUs")
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {flag} {format_cpu_list(cpus)}: the OS refused ({e})") from None
+    return cpus
+
+
 def run_role(cfg: Config, role: str, index: int = 0) -> None:
     """Run one process of the deployment in the foreground."""
     _logging()
+    pinned = pin(cfg, role, index)
+    if pinned:
+        log.info(
+            "%s%s pinned to CPUs %s",
+            role,
+            "" if role == "router" else index,
+            format_cpu_list(pinned),
+        )
     # SIGTERM -> SystemExit, so sockets close, finally blocks run and the exit code is 0
     # (uvicorn re-raises the signal it caught once it has shut down).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -84,11 +114,21 @@ def _announce(cfg: Config, server: uvicorn.Server) -> None:
         time.sleep(0.5)
 
 
+def _own_cpus() -> str:
+    try:
+        return format_cpu_list(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS: children pin nothing
+        return ""
+
+
+_LAUNCHER_CPUS = _own_cpus()  # at import, before run_all pins the router
+
+
 def spawn(cfg: Config, role: str, index: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "dspark_sglang.serve.launch", role, str(index)],
         stdin=subprocess.PIPE,
-        env={**os.environ, PARENT_ENV: str(os.getpid())},
+        env={**os.environ, PARENT_ENV: str(os.getpid()), CPUS_ENV: _LAUNCHER_CPUS},
         start_new_session=True,  # Ctrl-C reaches the launcher, which stops the workers in order
     )
     assert proc.stdin is not None
@@ -105,6 +145,8 @@ def run_all(cfg: Config) -> int:
     roles = [("prefill", i) for i in range(len(cfg.serve.prefill_addrs))]
     roles += [("decode", i) for i in range(len(cfg.serve.decode_addrs))]
     procs = {r: spawn(cfg, *r) for r in roles}
+    if cfg.serve.router_cpus:
+        log.info("router pinned to CPUs %s", format_cpu_list(pin(cfg, "router")))
     restarts = dict.fromkeys(roles, 0)
     stop = threading.Event()
     ready = threading.Event()

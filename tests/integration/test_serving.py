@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -344,3 +345,41 @@ def test_bench_serving_reads_exact_per_run_counters(cluster: Cluster) -> None:
     assert acc and all(a is None or 0.0 <= a <= 1.0 for a in acc)
     # verify-all: every round verifies the drafter's gamma drafts (fewer near max_tokens)
     assert 1.0 < rec["verify_tokens_per_request"] <= 1 + len(acc)
+
+
+def _children(pid: int) -> dict[str, int]:
+    """Child processes of `pid` by the serve.launch role in their command line."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"dspark_sglang.serve.launch" in argv:
+            out[argv[argv.index(b"dspark_sglang.serve.launch") + 1].decode()] = int(d.name)
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is a Linux call")
+def test_role_all_pins_the_router_and_workers(model_pair: tuple[Path, Path]) -> None:
+    """--role all with --router-cpus and --decode-cpus: the router (the launcher) and the decode
+    worker run on their own CPUs; the prefill worker, given none, keeps the launcher's CPUs, not
+    the router's; and the deployment serves."""
+    have = sorted(os.sched_getaffinity(0))
+    router, decode = have[0], have[-1]
+    c = Cluster(model_pair, extra=("--router-cpus", str(router), "--decode-cpus", str(decode)))
+    try:
+        launcher = c.start("all")
+        c.wait_ready(workers=("prefill0", "decode0"))
+        kids = _children(launcher.pid)
+        assert set(kids) == {"prefill", "decode"}, kids
+        assert os.sched_getaffinity(launcher.pid) == {router}
+        assert os.sched_getaffinity(kids["decode"]) == {decode}
+        assert os.sched_getaffinity(kids["prefill"]) == set(have)
+        r = post(c, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        c.stop()
