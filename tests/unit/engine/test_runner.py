@@ -125,7 +125,8 @@ def test_onednn_products_pack_target_and_drafter_and_stay_lossless(
 ) -> None:
     """--cpu-gemm onednn: the target's linears and experts and the drafter's fp32 products are
     packed, and greedy speculative output equals plain decoding on the same products; mkl packs
-    nothing."""
+    nothing. (The drafter in float32: on a CPU with native bf16, `--draft-dtype auto` gives its
+    larger products to bf16 instead.)"""
     target, drafter = pair
     ps = [[(3 * i + j) % VOCAB for j in range(2 + i)] for i in range(6)]
     base = LLM(str(target), num_blocks=128, page_size=4, cpu_gemm="onednn").generate(ps, GREEDY)
@@ -136,6 +137,7 @@ def test_onednn_products_pack_target_and_drafter_and_stay_lossless(
         page_size=4,
         cpu_gemm="onednn",
         max_num_batched_tokens=96,
+        draft_dtype="float32",
     )
     t, d = spec.runner.model, spec.runner.drafter
     assert d is not None
