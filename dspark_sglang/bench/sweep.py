@@ -311,6 +311,9 @@ def analyse(
         out["noise"] = noise
     if any(r.get(ADJUSTED) for r in raw):
         out["host_adjusted"] = host_adjusted(rows, policies, raw)
+    cells = cell_seconds(raw)
+    if cells:
+        out["cell_seconds"] = {str(c): x for c, x in cells.items()}
     host = host_cpu(raw)
     if host:
         out["host_cpu"] = host
@@ -383,6 +386,40 @@ def host_cpu(raw: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
+# A cell shorter than this is a few of the host's slow spells long: on the 2-vCPU VM of session
+# 60 the same c = 2 and 4 cells gave a per-pass noise sd of 0.126 (log tok/s) at 5-7 s a cell
+# (`s60_lo`) and 0.046 at 15-30 s (`s60_lolong`, four times the prompts).
+SHORT_CELL_S = 10.0
+
+
+def cell_seconds(raw: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per c: the median and the shortest `duration` (seconds) of its measured cells, over
+    policies and passes. Empty when the records carry no duration."""
+    by: dict[int, list[float]] = {}
+    for r in raw:
+        d = r.get("duration")
+        if isinstance(d, int | float) and d > 0.0:
+            by.setdefault(int(r["concurrency"]), []).append(float(d))
+    return {
+        c: {"median": float(statistics.median(v)), "shortest": min(v)}
+        for c, v in sorted(by.items())
+    }
+
+
+def _print_cell_seconds(cells: dict[int, dict[str, float]]) -> None:
+    print(
+        "\ncell length, seconds (median / shortest): "
+        + ", ".join(f"c={c} {x['median']:.1f} / {x['shortest']:.1f}" for c, x in cells.items())
+    )
+    short = [c for c, x in cells.items() if x["median"] < SHORT_CELL_S]
+    if short:
+        print(
+            f"  c={', '.join(map(str, short))}: cells under {SHORT_CELL_S:.0f} s, where one slow "
+            "spell of a shared host moves a cell; more prompts a cell (--min-prompts, "
+            '--prompts-per-concurrency) narrow the verdict (docs/bench.md "Cell length")'
+        )
+
+
 def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dict) -> None:
     concs = sorted({r["concurrency"] for r in rows})
     by = {(r["policy"], r["concurrency"]): r for r in rows}
@@ -408,6 +445,8 @@ def print_report(rows: list[dict[str, Any]], policies: Sequence[str], goals: dic
         none = [x["concurrency"] for x in goals["per_concurrency"] if x["concurrency"] not in have]
         if none:
             print(f"  c={', '.join(map(str, none))}: no steady window (too short to be a rate)")
+    if goals.get("cell_seconds"):
+        _print_cell_seconds({int(c): x for c, x in goals["cell_seconds"].items()})
     if goals.get("noise"):
         print()
         verdict.print_summary(goals["noise"], "whole run:")
@@ -503,6 +542,7 @@ def measure(
     with jsonl.open("a") as f:
         f.write(json.dumps(rec) + "\n")
     budget = rec.get("verify_tokens_per_request") or float("nan")
+    secs = rec.get("duration") or float("nan")
     host = (
         f"  host: steal {rec['cpu_host_steal']:.2f} idle {rec['cpu_host_idle']:.2f} "
         f"other deployments {rec['cpu_other_deployments']:.2f} cores"
@@ -512,7 +552,7 @@ def measure(
     print(
         f"   c={c:<3d} {policy:<10s} {rec['output_throughput']:8.1f} tok/s  "
         f"{rec['mean_tps_per_user']:6.1f} tok/s/user  accept {rec['accept_length']:.2f}"
-        f"  budget {budget:.2f}  failed {rec['failed']}{host}",
+        f"  budget {budget:.2f}  failed {rec['failed']}  {secs:.1f} s{host}",
         file=sys.stderr,
         flush=True,
     )

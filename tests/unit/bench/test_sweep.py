@@ -113,6 +113,34 @@ def test_replot_from_jsonl(tmp_path: Path) -> None:
     assert summary["analysed_on"]["cpu"] == cpu_model()
 
 
+def test_the_report_gives_each_c_its_cell_length_and_names_the_short_ones(capsys) -> None:
+    """Per c the median and shortest cell duration over policies and passes; a c whose median
+    cell is under SHORT_CELL_S is named with the flags that lengthen it."""
+    raw = [
+        _row("no-spec", 2, 300, 150) | {"pass": 0, "duration": 5.0},
+        _row("lagged", 2, 330, 165) | {"pass": 0, "duration": 6.0},
+        _row("no-spec", 2, 310, 155) | {"pass": 1, "duration": 9.0},
+        _row("lagged", 2, 320, 160) | {"pass": 1, "duration": 4.0},
+        _row("no-spec", 32, 1300, 40) | {"pass": 0, "duration": 20.0},
+        _row("lagged", 32, 1350, 42) | {"pass": 0, "duration": 18.0},
+        _row("lagged", 64, 1500, 23),  # an older record without a duration
+    ]  # fmt: skip
+    cells = sweep.cell_seconds(raw)
+    assert cells == {2: {"median": 5.5, "shortest": 4.0}, 32: {"median": 19.0, "shortest": 18.0}}
+    policies = ["no-spec", "lagged"]
+    g = sweep.analyse(sweep.aggregate(raw), policies, (), raw)
+    assert g["cell_seconds"] == {"2": cells[2], "32": cells[32]}
+    json.dumps(g)  # the summary file holds it
+    sweep.print_report(sweep.aggregate(raw), policies, g)
+    out = capsys.readouterr().out
+    assert "cell length, seconds (median / shortest): c=2 5.5 / 4.0, c=32 19.0 / 18.0" in out
+    (short,) = [ln for ln in out.splitlines() if "cells under" in ln]
+    assert short.strip().startswith("c=2:") and "--min-prompts" in short
+    assert (
+        sweep.analyse(sweep.aggregate(raw[-1:]), policies, (), raw[-1:]).get("cell_seconds") is None
+    )
+
+
 def test_passes_are_aggregated_by_median() -> None:
     raw = [_row("lagged", 4, t, 10.0) | {"pass": k} for k, t in enumerate((100.0, 300.0, 200.0))]
     (row,) = sweep.aggregate(raw)
