@@ -513,9 +513,6 @@ def format_cpu_list(cpus: tuple[int, ...] | list[int] | set[int]) -> str:
     return ",".join(out)
 
 
-NICE_MIN, NICE_MAX = -20, 19  # Linux nice values
-
-
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Serving processes: HTTP front, ZMQ addresses, flow control, heartbeats, peer security."""
@@ -544,12 +541,6 @@ class ServeConfig:
     router_cpus: tuple[int, ...] = ()
     prefill_cpus: tuple[tuple[int, ...], ...] = ()
     decode_cpus: tuple[tuple[int, ...], ...] = ()
-    # Scheduling priority (Linux nice, -20..19; 0 = the launcher's) of every prefill / decode
-    # worker. On a host whose cores the workers share, a decode step runs at whatever CPU the
-    # others leave it: a prefill worker at a higher nice value yields to the decode worker's
-    # steps (ITL, throughput) and takes the idle time left (TTFT pays). Below 0 needs privilege.
-    prefill_nice: int = 0
-    decode_nice: int = 0
 
     def __post_init__(self) -> None:
         addrs = (self.api_addr, *self.prefill_addrs, *self.decode_addrs)
@@ -590,12 +581,6 @@ class ServeConfig:
         ):
             if any(not cpus or min(cpus) < 0 for cpus in sets):
                 raise ConfigError(f"{flag}: each CPU list needs at least one CPU id >= 0")
-        for flag, nice in (
-            ("--prefill-nice", self.prefill_nice),
-            ("--decode-nice", self.decode_nice),
-        ):
-            if not NICE_MIN <= nice <= NICE_MAX:
-                raise ConfigError(f"{flag} must be in {NICE_MIN}..{NICE_MAX}, got {nice}")
 
     def cpus_for(self, role: str, index: int = 0) -> tuple[int, ...]:
         """The CPUs `role` (router, prefill or decode) worker `index` is pinned to; () = none."""
@@ -605,11 +590,6 @@ class ServeConfig:
         if not sets:
             return ()
         return sets[0] if len(sets) == 1 else sets[index]
-
-    def nice_for(self, role: str) -> int:
-        """The nice value `role`'s workers set at start (0: keep the launcher's); the router
-        keeps the launcher's."""
-        return {"prefill": self.prefill_nice, "decode": self.decode_nice}.get(role, 0)
 
 
 DIST_BACKENDS = ("auto", "gloo", "nccl")

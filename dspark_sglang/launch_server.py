@@ -244,15 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
         "per worker separated by ';' (Linux; default: the launcher's CPUs)",
     )
     a("--decode-cpus", help="pin the decode workers to these CPUs, as --prefill-cpus")
-    a(
-        "--prefill-nice",
-        type=int,
-        default=0,
-        help="nice value (-20..19, Linux/Unix) every prefill worker sets at start: above 0 it "
-        "yields shared cores to the decode workers' steps (TTFT pays); default 0 keeps the "
-        "launcher's",
-    )
-    a("--decode-nice", type=int, default=0, help="nice value of the decode workers, as above")
     a("--zmq-host", default="127.0.0.1", help="host of the derived ZMQ addresses")
     a(
         "--zmq-port",
@@ -403,8 +394,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
             router_cpus=router_cpus[0] if router_cpus else (),
             prefill_cpus=_cpu_sets(args.prefill_cpus, "--prefill-cpus"),
             decode_cpus=_cpu_sets(args.decode_cpus, "--decode-cpus"),
-            prefill_nice=args.prefill_nice,
-            decode_nice=args.decode_nice,
         ),
     )
 

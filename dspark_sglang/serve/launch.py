@@ -53,29 +53,10 @@ def pin(cfg: Config, role: str, index: int = 0) -> tuple[int, ...]:
     return cpus
 
 
-def renice(cfg: Config, role: str) -> int:
-    """Set this process's nice value to the role's configured one (nothing when it is 0);
-    -> the value set, 0 when none. Before a worker imports torch: on Linux a nice value is per
-    thread, and the threads started after it inherit it. SystemExit naming the flag when the OS
-    refuses (a value below the current one needs privilege)."""
-    nice = cfg.serve.nice_for(role)
-    if nice == 0:
-        return 0
-    if not hasattr(os, "setpriority"):
-        raise SystemExit(f"error: --{role}-nice: this OS cannot set a process's priority")
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except OSError as e:
-        raise SystemExit(f"error: --{role}-nice {nice}: the OS refused ({e})") from None
-    return nice
-
-
 def run_role(cfg: Config, role: str, index: int = 0) -> None:
     """Run one process of the deployment in the foreground."""
     _logging()
     pinned = pin(cfg, role, index)
-    if renice(cfg, role):
-        log.info("%s%d runs at nice %d", role, index, cfg.serve.nice_for(role))
     if pinned:
         log.info(
             "%s%s pinned to CPUs %s",
