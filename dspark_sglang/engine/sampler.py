@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dspark_sglang.models.sampling_noise import exponentials_
 from dspark_sglang.types import SamplingParams
 
 
@@ -73,8 +74,8 @@ def sample(
     noise = torch.ones_like(probs)
     for row, gen in enumerate(generators):
         if gen is not None:
-            noise[row].exponential_(generator=gen)
-    # exponential_ can round to 0 (or inf); masking keeps a zero-prob token from ever winning
+            exponentials_(noise[row], gen)
+    # E = inf (U = 0) scores a token 0: masking keeps a zero-prob token from ever winning
     # through 0/0 = NaN or a tie at 0.
     scores = (probs / noise).masked_fill(probs == 0, -1.0)
     return scores.max(dim=-1).indices  # argmax's first maximum, 3x faster on CPU

@@ -16,6 +16,7 @@ from dspark_sglang.algo.acceptance import verify
 from dspark_sglang.engine.batch import slot_table
 from dspark_sglang.engine.sampler import processed_probs, sampling_tensors
 from dspark_sglang.engine.sequence import Sequence
+from dspark_sglang.models.sampling_noise import exponentials_
 
 
 @dataclass
@@ -155,7 +156,7 @@ def _verify_sampled(
             # Draw exactly l_i uniforms: a request's random stream must not depend on the
             # verify lengths of its batch neighbours.
             uniforms[i, : row_counts[i] - 1].uniform_(generator=gen)
-            expo[i].exponential_(generator=gen)
+            exponentials_(expo[i], gen)
     lengths = counts - 1
     verdict = verify(p, q, draft_ids, lengths, uniforms, expo)
     n_acc = verdict.num_accepted.tolist()  # the step's one host sync

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from dspark_sglang.config import DraftArch
 from dspark_sglang.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from dspark_sglang.models.sampling_noise import exponentials_
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -252,7 +253,7 @@ class DSparkDrafter(nn.Module):
         noise_all = torch.ones_like(base)
         for i, gen in enumerate(generators):
             if gen is not None:
-                noise_all[i].exponential_(generator=gen)
+                exponentials_(noise_all[i], gen)
         toks, qs = [], []
         for k in range(g):
             logits = base[:, k]

@@ -13,6 +13,7 @@ from dspark_sglang.engine.sampler import (
     sample,
     sampling_tensors,
 )
+from dspark_sglang.models.sampling_noise import exponentials_
 from dspark_sglang.types import SamplingParams
 
 
@@ -147,7 +148,7 @@ def test_each_sampled_row_draws_exactly_vocab_exponentials() -> None:
 
     # Reference: row 0 then row 2 each draw one [V] block from the shared generator.
     ref = make_generator(5)
-    noise = torch.stack([torch.empty(v).exponential_(generator=ref) for _ in range(2)])
+    noise = torch.stack([exponentials_(torch.empty(v), ref) for _ in range(2)])
     probs = processed_probs(logits, temps, ks, ps)
     assert tokens[0] == (probs[0] / noise[0]).argmax()
     assert tokens[1] == logits[1].argmax()
