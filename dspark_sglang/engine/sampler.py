@@ -1,6 +1,6 @@
-"""Sync-free sampling for target and drafter: temperature, top-k, top-p, exponential race.
+"""Sync-free sampling for target and drafter: temperature, top-k, top-p, inverse-transform draws.
 
-Imports torch and `dspark_sglang.types` only.
+Imports torch, `dspark_sglang.types` and `models.draws` only.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark_sglang.models.sampling_noise import exponentials_
+from dspark_sglang.models.draws import inverse_cdf
 from dspark_sglang.types import SamplingParams
 
 
@@ -62,23 +62,20 @@ def sample(
     top_ps: torch.Tensor,
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """[N, V] logits -> [N] int64 tokens by exponential race: argmax(probs / E), E ~ Exp(1).
+    """[N, V] logits -> [N] int64 tokens, drawn by inverse transform (`models.draws`).
 
-    Row i draws exactly V exponentials from generators[i], so a seeded request samples the same
+    Row i draws exactly one uniform from generators[i], so a seeded request samples the same
     tokens whatever else shares the batch. Pass None for greedy rows: they draw nothing (their
-    probs are one-hot, so E = 1 gives the argmax). Which rows are greedy is not read from
+    probs are one-hot, so any u gives the argmax). Which rows are greedy is not read from
     `temperatures`, since that would sync the host with the device.
     """
     assert len(generators) == logits.shape[0], "one generator (or None) per row"
     probs = processed_probs(logits, temperatures, top_ks, top_ps)
-    noise = torch.ones_like(probs)
+    u = torch.full((probs.shape[0],), 0.5, device=probs.device)
     for row, gen in enumerate(generators):
         if gen is not None:
-            exponentials_(noise[row], gen)
-    # E = inf (U = 0) scores a token 0: masking keeps a zero-prob token from ever winning
-    # through 0/0 = NaN or a tie at 0.
-    scores = (probs / noise).masked_fill(probs == 0, -1.0)
-    return scores.max(dim=-1).indices  # argmax's first maximum, 3x faster on CPU
+            u[row : row + 1].uniform_(generator=gen)
+    return inverse_cdf(probs, u)
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:

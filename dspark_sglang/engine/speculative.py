@@ -16,7 +16,6 @@ from dspark_sglang.algo.acceptance import verify
 from dspark_sglang.engine.batch import slot_table
 from dspark_sglang.engine.sampler import processed_probs, sampling_tensors
 from dspark_sglang.engine.sequence import Sequence
-from dspark_sglang.models.sampling_noise import exponentials_
 
 
 @dataclass
@@ -149,16 +148,16 @@ def _verify_sampled(
                 else:  # an all-greedy proposal: its q is one-hot at each draft
                     q[i, :ell].scatter_(-1, proposal.tokens[j, :ell, None], 1.0)
                 draft_ids[i, :ell] = proposal.tokens[j, :ell]
-    uniforms = torch.full((n, g), 0.5, device=device)
-    expo = torch.ones(n, vocab, device=device)
+    # Row i's l_i acceptance uniforms, then its bonus draw's, in one call: exactly l_i + 1 draws,
+    # so a request's random stream does not depend on its batch neighbours' verify lengths.
+    # Greedy rows draw none: p and q are one-hot there, and any u picks the same tokens.
+    drawn = torch.full((n, g + 1), 0.5, device=device)
     for i, gen in enumerate(generators):
-        if gen is not None:  # greedy rows need no noise: p and q are one-hot there
-            # Draw exactly l_i uniforms: a request's random stream must not depend on the
-            # verify lengths of its batch neighbours.
-            uniforms[i, : row_counts[i] - 1].uniform_(generator=gen)
-            exponentials_(expo[i], gen)
+        if gen is not None:
+            drawn[i, : row_counts[i]].uniform_(generator=gen)
     lengths = counts - 1
-    verdict = verify(p, q, draft_ids, lengths, uniforms, expo)
+    bonus_u = drawn.gather(1, lengths[:, None]).squeeze(1)
+    verdict = verify(p, q, draft_ids, lengths, drawn[:, :g], bonus_u)
     n_acc = verdict.num_accepted.tolist()  # the step's one host sync
     bonus = verdict.bonus.tolist()
     tokens, accepted = {}, {}

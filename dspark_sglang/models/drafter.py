@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark_sglang.config import DraftArch
+from dspark_sglang.models.draws import inverse_cdf
 from dspark_sglang.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from dspark_sglang.models.sampling_noise import exponentials_
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -249,11 +249,12 @@ class DSparkDrafter(nn.Module):
             return tokens, None, self._confidence(h, anchors, tokens)
         any_greedy = bool(greedy.any())  # host-side once, so sampled rows skip the one-hot path
         temp = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
-        # All of a row's noise in one draw ([g, V], the same stream order as slot by slot).
-        noise_all = torch.ones_like(base)
+        # A row's g uniforms in one draw (the same stream order as slot by slot); greedy rows
+        # draw none (their tokens are the argmax below).
+        u_all = torch.full(base.shape[:2], 0.5, device=base.device)
         for i, gen in enumerate(generators):
             if gen is not None:
-                exponentials_(noise_all[i], gen)
+                u_all[i].uniform_(generator=gen)
         toks, qs = [], []
         for k in range(g):
             logits = base[:, k]
@@ -261,8 +262,7 @@ class DSparkDrafter(nn.Module):
                 bias, state = self.markov_head.step(h[:, k], prev, state)
                 logits = logits + bias.float()
             probs = torch.softmax(logits / temp, dim=-1)
-            # Exponential race: argmax(p / E) is a draw from p; greedy rows keep E = 1.
-            tok = torch.where(probs > 0, probs / noise_all[:, k], -1.0).max(dim=-1).indices
+            tok = inverse_cdf(probs, u_all[:, k])
             if any_greedy:
                 best = logits.max(-1).indices
                 probs = torch.where(

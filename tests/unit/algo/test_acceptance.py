@@ -121,8 +121,7 @@ def test_verify_samples_match_branch_probabilities() -> None:
     drafts = torch.tensor([[0, 2]]).expand(n_draws, -1)
     lengths = torch.full((n_draws,), GAMMA)
     u = torch.rand(n_draws, GAMMA, generator=g)
-    e = torch.empty(n_draws, V).exponential_(generator=g)
-    out = verify(p, q, drafts, lengths, u, e)
+    out = verify(p, q, drafts, lengths, u, torch.rand(n_draws, generator=g))
     alpha = acceptance_probs(p[:1, :GAMMA], q[:1], drafts[:1])[0]
     for n in range(GAMMA + 1):
         pr_n = float(torch.prod(alpha[:n])) * (1.0 - float(alpha[n]) if n < GAMMA else 1.0)
@@ -139,7 +138,7 @@ def test_greedy_is_exact_match_with_argmax_bonus() -> None:
     p = torch.nn.functional.one_hot(p_tok, V).double()
     drafts = torch.tensor([[2, 0, 2]])  # third draft disagrees
     q = torch.nn.functional.one_hot(drafts, V).double()
-    ones = torch.ones(1, V)
+    ones = torch.full((1,), 0.5)  # the bonus's uniform: any draws a one-hot row's token
     u = torch.full((1, 3), 0.999)
     out = verify(p, q, drafts, torch.tensor([3]), u, ones)
     assert out.num_accepted.tolist() == [2] and out.bonus.tolist() == [1]

@@ -13,7 +13,6 @@ from dspark_sglang.engine.sampler import (
     sample,
     sampling_tensors,
 )
-from dspark_sglang.models.sampling_noise import exponentials_
 from dspark_sglang.types import SamplingParams
 
 
@@ -138,7 +137,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     assert other_seed != alone
 
 
-def test_each_sampled_row_draws_exactly_vocab_exponentials() -> None:
+def test_each_sampled_row_draws_exactly_one_uniform() -> None:
     v = 37
     logits = torch.randn(3, v, generator=make_generator(4))
     params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), SamplingParams()]
@@ -146,13 +145,13 @@ def test_each_sampled_row_draws_exactly_vocab_exponentials() -> None:
     gen = make_generator(5)
     tokens = sample(logits, temps, ks, ps, [gen, None, gen])
 
-    # Reference: row 0 then row 2 each draw one [V] block from the shared generator.
+    # Reference: row 0 then row 2 each draw one uniform from the shared generator.
     ref = make_generator(5)
-    noise = torch.stack([exponentials_(torch.empty(v), ref) for _ in range(2)])
-    probs = processed_probs(logits, temps, ks, ps)
-    assert tokens[0] == (probs[0] / noise[0]).argmax()
+    u = torch.empty(2).uniform_(generator=ref)
+    cdf = processed_probs(logits, temps, ks, ps).double().cumsum(-1)
+    assert tokens[0] == int((cdf[0] <= u[0].double() * cdf[0, -1]).sum())
     assert tokens[1] == logits[1].argmax()
-    assert tokens[2] == (probs[2] / noise[1]).argmax()
+    assert tokens[2] == int((cdf[2] <= u[1].double() * cdf[2, -1]).sum())
     assert torch.equal(gen.get_state(), ref.get_state())
 
 
