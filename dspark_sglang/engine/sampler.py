@@ -19,18 +19,24 @@ def processed_probs(
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
     needs_filter: bool = True,
+    any_greedy: bool = True,
 ) -> torch.Tensor:
     """[N, V] logits -> [N, V] fp32 probabilities after temperature, top-k and top-p.
 
     top_k == 0 and top_p == 1 disable their filter. Rows with temperature == 0 are a one-hot
     at the argmax (lowest index on ties), so acceptance tests can treat greedy like sampling.
     `needs_filter=False` (the caller knows from the host-side params that no row uses top-k or
-    top-p) skips the vocabulary sort, the dominant cost at small batch.
+    top-p) skips the vocabulary sort, the dominant cost at small batch; `any_greedy=False` (no
+    row has temperature 0, known the same way) skips the one-hot, an argmax and a scatter over
+    every row: [64, 4096] 0.65 -> 0.21 ms, [512, 4096] 5.7 -> 2.0 ms (one thread, Zen 4 VM,
+    2026-12-07; a plain c = 64 step and a verify-all one at T = 1).
     """
     logits = logits.float()
     num_vocab = logits.shape[-1]
     greedy = (temperatures == 0).unsqueeze(1)  # [N, 1]
     temps = torch.where(greedy, 1.0, temperatures.float().unsqueeze(1))
+    if not needs_filter and not any_greedy:
+        return (logits / temps).softmax(dim=-1)
     one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     if not needs_filter:
         return torch.where(greedy, one_hot, (logits / temps).softmax(dim=-1))

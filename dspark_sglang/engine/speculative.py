@@ -129,6 +129,7 @@ def _verify_sampled(
         top_ks.repeat_interleave(counts),
         top_ps.repeat_interleave(counts),
         needs_filter=any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs),
+        any_greedy=any(s.params.greedy for s in seqs),
     )  # [sum, V]
     seq_of = torch.repeat_interleave(torch.arange(n, device=device), counts)
     starts = torch.cumsum(counts, 0) - counts

@@ -206,3 +206,17 @@ def test_unfiltered_fast_path_equals_the_sorted_path() -> None:
     fast = processed_probs(logits, temps, ks, ps, needs_filter=False)
     slow = processed_probs(logits, temps, ks, ps)
     torch.testing.assert_close(fast, slow)
+
+
+def test_no_greedy_fast_path_equals_the_full_path() -> None:
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=g) * 3
+    temps = torch.tensor([1.0, 0.5, 2.0, 0.7])
+    ks = torch.zeros(4, dtype=torch.long)
+    ps = torch.ones(4)
+    fast = processed_probs(logits, temps, ks, ps, needs_filter=False, any_greedy=False)
+    torch.testing.assert_close(fast, processed_probs(logits, temps, ks, ps))
+    # what the flag promises matters: a greedy row under any_greedy=False is not one-hot
+    temps[0] = 0.0
+    wrong = processed_probs(logits, temps, ks, ps, needs_filter=False, any_greedy=False)
+    assert int((wrong[0] > 0).sum()) > 1
