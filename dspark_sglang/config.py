@@ -272,6 +272,9 @@ class DraftConfig:
     # drafting step has tested while it is priced within this share of the best plan (0 = never;
     # docs/scheduler.md "Exploring an untested drafter price")
     explore_ratio: float = 0.75
+    # ... while what exploration lost so far is at most this share of the decode time (a burst in
+    # progress finishes; 1 = no cap; docs/scheduler.md "Exploring an untested drafter price")
+    explore_budget: float = 0.01
     # lagged mode: a drafting K widens to the largest K whose predicted Θ is within this share of
     # the best (0 = the argmax; docs/scheduler.md "Near ties")
     tie_margin: float = 0.0
@@ -328,6 +331,8 @@ class DraftConfig:
             )
         if not 0.0 <= self.explore_ratio <= 1.0:
             raise ConfigError(f"--explore-ratio must be in [0, 1], got {self.explore_ratio}")
+        if not 0.0 <= self.explore_budget <= 1.0:  # also refuses NaN
+            raise ConfigError(f"--explore-budget must be in [0, 1], got {self.explore_budget}")
         if not (math.isfinite(self.tie_margin) and 0.0 <= self.tie_margin < 1.0):
             raise ConfigError(f"--plan-tie-margin must be in [0, 1), got {self.tie_margin}")
         if not (math.isfinite(self.step_bias_prior) and -0.5 < self.step_bias_prior < 1.0):

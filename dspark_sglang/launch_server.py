@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         "untested and priced within this share of the best plan (0 = never; default %(default)s)",
     )
     a(
+        "--explore-budget",
+        type=float,
+        default=dc.explore_budget,
+        help="lagged mode: start such exploration only while what it lost so far, against plain "
+        "steps, is at most this share of the decode time (1 = no cap; default %(default)s)",
+    )
+    a(
         "--plan-tie-margin",
         dest="tie_margin",
         type=float,
@@ -365,6 +372,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overlap=args.overlap,
             selective_draft=args.selective_draft,
             explore_ratio=args.explore_ratio,
+            explore_budget=args.explore_budget,
             tie_margin=args.tie_margin,
             lag_shrink=args.lag_shrink,
             step_bias=args.step_bias,

@@ -256,6 +256,7 @@ class LLMEngine:
             cfg.draft_price_prior_weight,
             cfg.user_rate_floor,
             cfg.tie_margin,
+            cfg.explore_budget,
         )
 
     def _profile_capacity(self, budget_s: float) -> CapacityModel:

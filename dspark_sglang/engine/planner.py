@@ -88,6 +88,15 @@ POOL_ROWS, POOL_MIN = 256, 16
 # nothing). The cost is bounded: at most (1 - EXPLORE_RATIO) of a step's predicted throughput, a
 # few steps per R bin (the first is resumed, the next CAP_MIN_RECORDS teach).
 EXPLORE_RATIO = 0.75
+# ... and what exploration loses is budgeted: a burst of exploration (EXPLORE_BURST steps in a
+# row: the resumed first, then those that teach) starts only while the seconds explored steps
+# lost so far, each against its plain step at the model's rate (StepRecord.plain_theta), are at
+# most this share of the seconds of every step observed (`--explore-budget`; 1 = no cap). A burst
+# in progress finishes. Served, 2026-12-07 (s62_v step logs, c = 64): one pass explored in bursts
+# every ~130 steps while R wandered 36-56 (a new R bin each time, none tested from above) and
+# lost 3.0 % of its decode time to them, the other two 0.6 %.
+EXPLORE_BUDGET = 0.01
+EXPLORE_BURST = 1 + CAP_MIN_RECORDS
 # A lagged probe that drafted every row of a batch after skipped steps (a resumed drafter, which
 # prices nothing) is followed by one more drafting step, once probes have backed off: the
 # drafter's price at that R is then retimed each probe gap. Nothing else times it while K stays 0,
@@ -327,6 +336,7 @@ class VerifyPlanner:
         draft_price_prior_weight: float = DRAFT_PRIOR_WEIGHT,
         user_rate_floor: float = 0.0,
         tie_margin: float = 0.0,
+        explore_budget: float = EXPLORE_BUDGET,
     ) -> None:
         self.mode, self.gamma, self.sts = mode, gamma, sts
         # lagged: a drafting K widens to the largest K within this share of the best Θ
@@ -337,6 +347,10 @@ class VerifyPlanner:
         self.selective = selective and mode.name == "lagged" and capacity is not None
         self.explore_ratio = explore_ratio
         self._explore_memo: tuple[tuple[int, int], bool] = ((-1, -1), False)
+        self.explore_budget = explore_budget
+        self.explore_lost_s = 0.0  # what explored steps lost against the plain rate (seconds)
+        self._observed_s = 0.0  # seconds of every step observed
+        self._burst = 0  # explored steps in a row, up to the last observed
         self.capacity = capacity
         self.estimator = (
             LiveEstimator(capacity, EstimatorConfig(draft_prior_weight=draft_price_prior_weight))
@@ -814,6 +828,11 @@ class VerifyPlanner:
             "pinned_steps": self.pinned_steps,
             "zero_pinned_steps": self.zero_pinned_steps,
             "step_bias": self.step_bias.state(),
+            "explore_budget": self.explore_budget,
+            "explore_lost_s": self.explore_lost_s,
+            "explore_lost_share": self.explore_lost_s / self._observed_s
+            if self._observed_s
+            else 0.0,
         }
 
     def _survival(self, raw: np.ndarray) -> np.ndarray:
@@ -832,7 +851,8 @@ class VerifyPlanner:
         return self.prior.trials[0] if self.prior.trials else 0.0
 
     def _explore(self, r: int) -> bool:
-        """Whether the drafter's price at R is untested (EXPLORE_RATIO)."""
+        """Whether the drafter's price at R is untested (EXPLORE_RATIO) and exploring it is
+        within EXPLORE_BUDGET (or finishes a burst)."""
         est = self.estimator
         if not self.selective or est is None or self.explore_ratio <= 0.0:
             return False
@@ -841,7 +861,27 @@ class VerifyPlanner:
         key = (r, est.drafts_observed)
         if self._explore_memo[0] != key:
             self._explore_memo = (key, est.drafts_timed(r) < CAP_MIN_RECORDS)
-        return self._explore_memo[1]
+        if not self._explore_memo[1]:
+            return False
+        if 0 < self._burst < EXPLORE_BURST:
+            return True
+        return self.explore_lost_s <= self.explore_budget * self._observed_s
+
+    def _count_exploration(self, rec: StepRecord) -> None:
+        """EXPLORE_BUDGET's books: every step's seconds, and what an explored step lost against
+        its plain alternative (nothing for a step that paid; a step with prefill rows is left
+        out, its seconds being more than the plain step it is priced against)."""
+        if math.isfinite(rec.step_seconds):
+            self._observed_s += rec.step_seconds
+        if not rec.explored:
+            self._burst = 0
+            return
+        self._burst += 1
+        theta = rec.plain_theta
+        if rec.num_prefill_tokens or not (math.isfinite(theta) and theta > 0.0):
+            return
+        plain_s = (rec.num_decode_reqs + rec.num_accepted) / theta
+        self.explore_lost_s += max(rec.step_seconds - plain_s, 0.0)
 
     def _k_key(self, ids: np.ndarray, sps: np.ndarray, max_len: np.ndarray) -> tuple[object, ...]:
         lag = self.mode.lag
@@ -1016,6 +1056,8 @@ class VerifyPlanner:
             elif self._steady_run and not (rec.draft_resumed or rec.probe) and rec.num_draft_reqs:
                 self._learn_steady(rec.num_draft_reqs, rec.draft_seconds)
         steady, self._resume_rows, self._steady_run = self._steady_run, 0, False
+        if self.selective:
+            self._count_exploration(rec)
         if self._biased and not rec.num_prefill_tokens:
             drafted = rec.draft_seconds > 0.0
             if not drafted or (steady and not (rec.probe or rec.draft_resumed)):

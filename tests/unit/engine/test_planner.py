@@ -491,6 +491,76 @@ def test_whole_batch_drafting_is_explored_while_its_price_is_untested(overlap: b
             DraftConfig(tie_margin=bad)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_exploration_starts_a_burst_only_within_its_budget(overlap: bool) -> None:
+    """The setting above (whole-batch drafting at R = 8 explored while untested). A first
+    explored step that took 0.5 s where the plain step is priced 0.15 s loses 0.35 s; the burst
+    it opened still runs its EXPLORE_BURST steps (what teaches the price), then no burst starts
+    while 0.35 s is more than EXPLORE_BUDGET of the seconds observed, and one starts again once
+    the plain steps observed since make it so. With --explore-budget 1 nothing caps it; with 0
+    only bursts that lost nothing go on."""
+    from dspark_sglang.algo.capacity import CapacityModel, Curve, TableModel
+    from dspark_sglang.algo.verify_budget import parse_schedule_mode
+    from dspark_sglang.config import ConfigError, DraftConfig
+    from dspark_sglang.engine.planner import EXPLORE_BUDGET, EXPLORE_BURST, VerifyPlanner
+    from dspark_sglang.types import StepRecord
+
+    buckets = tuple(range(1, 257))  # every B its own bucket: 70 ms + 10 ms per token
+    table = TableModel(buckets, tuple(0.07 + 0.01 * b for b in buckets))
+    cheap = Curve((1.0, 64.0), (0.005, 0.068))
+    mode = parse_schedule_mode("lagged")
+    ids, max_len, logits = list(range(8)), np.full(8, 4), np.zeros((8, 4))
+    none = np.empty(0, np.int64)
+    plain_theta = 8 / 0.15  # the model's plain step at R = 8: 0.15 s
+
+    def explored(seconds: float) -> StepRecord:
+        # no draft_seconds: these records stay out of the estimator (fold below), so the
+        # drafter's price at R = 8 stays untested and only the budget decides
+        return StepRecord(0, 8, 16, 0, 8, 640, seconds, explored=True, plain_theta=plain_theta)
+
+    def planner(budget: float) -> VerifyPlanner:
+        cap = CapacityModel(table, draft=cheap)
+        p = VerifyPlanner(mode, 4, cap, None, True, 0.0, overlap, True, explore_budget=budget)
+        p.fold = 10**9
+        for _ in range(2):  # every row drafted and verified: lagged survival 0.5, 0.25, …
+            p.plan(ids, logits, max_len, 80, 0)
+        p.skip(ids, max_len, 80)
+        return p
+
+    def burst(p: VerifyPlanner) -> None:  # a first step that loses 0.35 s, then steps that pay
+        # with overlap the next K is planned while a step runs, before its record is observed:
+        # the burst's last record reaches the budget a step later
+        for i in range(EXPLORE_BURST + overlap):
+            k = p.budget(ids, max_len, 80)
+            assert k == 8 and p.plan(ids, logits, max_len, 80, k).explored
+            p.observe(none, none, explored(0.5 if i == 0 else 0.15))
+
+    p = planner(EXPLORE_BUDGET)
+    burst(p)
+    assert p.state()["explore_lost_s"] == pytest.approx(0.35)
+    assert p.budget(ids, max_len, 80) == 0  # 0.35 s lost > 1 % of the 1.1-1.25 s observed
+    p.skip(ids, max_len, 80)
+    plain = StepRecord(1, 8, 8, 0, 8, 640, 0.15)
+    for _ in range(round(0.35 / EXPLORE_BUDGET / 0.15)):
+        p.observe(none, none, plain)
+    p.skip(ids, max_len, 80)
+    assert p.budget(ids, max_len, 80) == 8  # 0.35 s <= 1 % of the 36 s observed
+    assert p.state()["explore_lost_share"] <= EXPLORE_BUDGET
+    p.close()
+    uncapped = planner(1.0)
+    burst(uncapped)
+    assert uncapped.budget(ids, max_len, 80) == 8
+    uncapped.close()
+    strict = planner(0.0)
+    burst(strict)
+    assert strict.budget(ids, max_len, 80) == 0
+    strict.close()
+    assert DraftConfig().explore_budget == EXPLORE_BUDGET  # the server's default is the planner's
+    for bad in (-0.01, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="--explore-budget"):
+            DraftConfig(explore_budget=bad)
+
+
 def _live_lagged_planner() -> tuple[CapacityModel, VerifyPlanner, LiveEstimator]:
     """A lagged planner (γ = 4) with a live estimator on a small table model, and a reference
     estimator on the same model to feed record by record."""
