@@ -273,7 +273,7 @@ class DraftConfig:
     # docs/scheduler.md "Exploring an untested drafter price")
     explore_ratio: float = 0.75
     # ... while what exploration lost so far is at most this share of the decode time (a burst in
-    # progress finishes; 1 = no cap; docs/scheduler.md "Exploring an untested drafter price")
+    # progress finishes; 1 = no cap; docs/scheduler.md "The exploration budget")
     explore_budget: float = 0.01
     # lagged mode: a drafting K widens to the largest K whose predicted Θ is within this share of
     # the best (0 = the argmax; docs/scheduler.md "Near ties")
