@@ -420,7 +420,7 @@ class LiveEstimator:
             if drafted:
                 dsec = max(rest - self._host_at(rec.num_reqs), 0.0)
             else:
-                self._observe_host(rec.num_reqs, rest)
+                self._observe_host(rec.num_reqs, rest, fwd)
             y = fwd
         elif drafted:
             dsec = rec.draft_seconds
@@ -520,13 +520,38 @@ class LiveEstimator:
         b = r_bin(num_reqs)
         return sum(n for r, (_, n) in self._draft.items() if r_bin(r) >= b)
 
-    def _observe_host(self, num_reqs: int, seconds: float) -> None:
-        seconds *= math.exp(-self._g)  # at the level, as _observe_draft
-        mean, n = self._host.get(num_reqs, (seconds, 0.0))
+    def _observe_host(self, num_reqs: int, seconds: float, forward: float) -> None:
+        """A plain step's host seconds (`forward`: its timed forward). Clipped as the drafter's
+        are: at HOST_SPIKE x its R's mean from 8 records on, and before that at EARLY_SPIKE x
+        the larger of that mean and what the R seen so far (or the prior) say of this R, or of
+        the step's own forward when nothing does. Unclipped, one stall at a new R priced every
+        larger R (the host term is isotonic in R): served, c = 64 (sweep s65_c64), the first
+        plain step at R = 24 spent 0.60 s outside its 22 ms forward, plain steps at R = 64 were
+        priced 0.69 s for 0.03 taken, and lagged drafted every row at every step of the cell
+        (0.70 of no-spec) since no plain step there could show the price wrong."""
+        level = math.exp(-self._g)
+        seconds *= level  # at the level, as _observe_draft
+        mean, n = self._host.get(num_reqs, (0.0, 0.0))
         if n >= 8:  # a collector pause or a preempted thread: one spike must not move the mean
             seconds = min(seconds, HOST_SPIKE * mean)
+        else:
+            ref = max(mean, self._host_ref(num_reqs, level))
+            if not ref > 0.0:
+                ref = forward * level
+            seconds = min(seconds, EARLY_SPIKE * ref)
+            if n == 0.0:
+                mean = seconds
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._host[num_reqs] = (mean, n + 1.0)
+
+    def _host_ref(self, num_reqs: int, level: float) -> float:
+        """The host seconds at the level the other R seen say of this R (held flat past them),
+        or the prior's; 0 when neither knows."""
+        others = [r for r in self._host if r != num_reqs]
+        if others:
+            others.sort()
+            return float(np.interp(num_reqs, others, [self._host[r][0] for r in others]))
+        return float(self._base.host_seconds(num_reqs)) * level
 
     def _host_at(self, num_reqs: int) -> float:
         """The host seconds of a plain step of R requests as learned so far (the prior's when no

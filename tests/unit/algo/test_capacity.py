@@ -27,6 +27,7 @@ from dspark_sglang.algo.capacity import (
 )
 from dspark_sglang.algo.capacity_fit import (
     CAP_MIN_RECORDS,
+    EARLY_SPIKE,
     EstimatorConfig,
     LiveEstimator,
     _median,
@@ -1142,3 +1143,31 @@ def test_a_stalled_early_drafting_step_counts_at_most_twice_the_prior() -> None:
     assert float(stalled.model.draft_seconds(r)) < 1.6 * truth
     honest = engine((0.005,) * 4)  # 1.8x the prior: taken as measured
     assert honest._draft[r][0] == pytest.approx(0.005, rel=0.02)
+
+
+def test_a_stalled_plain_step_at_a_new_r_does_not_price_every_larger_r() -> None:
+    """Served at c = 64 (s65_c64): plain steps had taught the host at R <= 13 (2-3 ms); the
+    first plain step at R = 24 spent 0.60 s outside its 22 ms forward, the host term (isotonic
+    in R) then priced every R >= 24 at 0.6 s or more, and lagged drafted every row for the rest
+    of the cell: a plain step at R = 64 read 0.69 s for 0.03 taken, and no plain step there
+    came to say otherwise. Clipped at EARLY_SPIKE x what the R seen say of R = 24, the stall
+    moves the price of R = 64 by at most that; an honest larger host at a new R (11 ms at
+    R = 64) is still learned within a few records, each allowed up to twice the mean so far."""
+    c = 200
+
+    def plain(est: LiveEstimator, t: int, r: int, host: float) -> None:
+        fwd = TRUTH.predict(r, r, r * c)
+        est.observe(StepRecord(t, r, r, 0, r, r * c, fwd + host, forward_seconds=fwd))
+
+    est = LiveEstimator(TRUTH)
+    for t in range(40):
+        plain(est, t, 1 + t % 13, 0.002 + 0.00002 * (t % 13))
+    plain(est, 40, 24, 0.60)
+    assert est._host_at(24) < EARLY_SPIKE * 0.0023 * 1.01
+    assert float(est._publish().host_seconds(64)) < 0.006  # was 0.60: every R >= 24
+    for t in range(41, 46):  # the host at R = 64 is 11 ms
+        plain(est, t, 64, 0.011)
+    assert est._host_at(64) == pytest.approx(0.011, rel=0.1)
+    first = LiveEstimator(TRUTH)  # nothing known yet: the step's own forward is the reference
+    plain(first, 0, 24, 0.60)
+    assert first._host_at(24) <= EARLY_SPIKE * TRUTH.predict(24, 24, 24 * c) * 1.01
