@@ -139,3 +139,11 @@ class StepRecord:
     # step's batch when it was planned; nan elsewhere. planned_tokens / predicted_seconds over it
     # is the margin the decision to draft was taken on (bench.steps "plan/plain")
     plain_theta: float = float("nan")
+    # wall seconds of the step before its forward besides the drafter: choosing which requests
+    # draft and the verify budget (the planner's K search, its skip or plan); nan: not timed
+    plan_seconds: float = float("nan")
+    # wall seconds after the forward queueing the verified rows for the drafter's context (with
+    # the queue's compaction, and its flush when the queue outgrew its cap); nan without a
+    # drafter. With plan_seconds, forward_seconds and draft_seconds it leaves the step's
+    # unattributed host time small enough to place a stall (docs/serving.md)
+    context_seconds: float = float("nan")

@@ -192,6 +192,9 @@ class LLMEngine:
         self.planner = self._make_planner(config.draft, self.mode) if drafter is not None else None
         self._last_plan: Plan | None = None  # this step's verify plan (None: no speculation)
         self._draft_seconds = 0.0
+        # the step's planner work before the forward (what `_draft` spent besides the drafter)
+        # and the verified rows' drafter-context bookkeeping after it (StepRecord)
+        self._plan_seconds = self._context_seconds = math.nan
         self._draft_rows = 0
         self._draft_backlog = False  # this step's drafter flushed more than one step's rows
         self._forward_seconds = math.nan
@@ -428,8 +431,9 @@ class LLMEngine:
         t0, self._started_at = time.perf_counter(), time.time()
         self._last_plan, self._draft_seconds, self._planned_ids = None, 0.0, frozenset()
         self._draft_rows, self._draft_backlog = 0, False
-        self._forward_seconds = math.nan
+        self._forward_seconds = self._context_seconds = math.nan
         proposal, drafts = self._draft()
+        self._plan_seconds = time.perf_counter() - t0 - self._draft_seconds
         plan = self.scheduler.schedule(drafts)
         if plan.is_empty:
             return self._collect({})
@@ -446,7 +450,9 @@ class LLMEngine:
         )
         touched = self.scheduler.commit(plan, result.tokens)
         if self.runner.drafter is not None:
+            t_ctx = time.perf_counter()
             self._extend_draft_context(plan, batch, out.taps, result.num_accepted)
+            self._context_seconds = time.perf_counter() - t_ctx
         self._count(plan, touched, result.num_accepted, proposal)
         self._record(
             plan,
@@ -738,6 +744,8 @@ class LLMEngine:
             plain_theta=p.plain_theta if p else float("nan"),
             started_at=self._started_at,
             adopt_seconds=self._adopt_seconds,
+            plan_seconds=self._plan_seconds,
+            context_seconds=self._context_seconds,
             pinned=p is not None and p.pinned,
             explored=p is not None and p.explored,
         )

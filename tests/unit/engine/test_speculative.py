@@ -1043,6 +1043,54 @@ def test_every_step_record_is_stamped_with_its_start(pair: tuple[Path, Path]) ->
         assert a.started_at + a.step_seconds <= b.started_at + 1e-3
 
 
+def test_a_stall_is_placed_in_the_step_part_it_happened_in(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """StepRecord.plan_seconds (the planner's work before the forward) and context_seconds (the
+    drafter-context queue after it): a 40 ms stall in either lands in that field of that step's
+    record and no other, and the timed parts never add up to more than the step."""
+    import time
+
+    llm = LLM(
+        str(pair[0]),
+        draft_model=str(pair[1]),
+        num_blocks=128,
+        page_size=4,
+        schedule_mode="lagged",
+        startup_profile_seconds=0.2,
+    )
+    recs: list[StepRecord] = []
+    llm.on_step = recs.append
+    assert llm.planner is not None
+    stall = {"ctx": 3, "plan": 6}  # the step numbers (1-based) that stall
+    extend, budget = llm._extend_draft_context, llm.planner.budget
+
+    def slow_extend(*a: object) -> None:
+        if llm._step_no + 1 == stall["ctx"]:
+            time.sleep(0.04)
+        extend(*a)
+
+    def slow_budget(*a: object) -> int:
+        if llm._step_no + 1 == stall["plan"]:
+            time.sleep(0.04)
+        return budget(*a)
+
+    monkeypatch.setattr(llm, "_extend_draft_context", slow_extend)
+    monkeypatch.setattr(llm.planner, "budget", slow_budget)
+    llm.generate(prompts(2, seed=9), GREEDY)
+    assert len(recs) > stall["plan"]
+    for r in recs:
+        parts = r.forward_seconds + r.draft_seconds + r.plan_seconds + r.context_seconds
+        assert math.isfinite(parts) and parts <= r.step_seconds + 1e-6
+        assert (r.context_seconds >= 0.04) == (r.step == stall["ctx"])
+        assert (r.plan_seconds >= 0.04) == (r.step == stall["plan"])
+    plain = LLM(str(pair[0]), num_blocks=128, page_size=4)
+    recs.clear()
+    plain.on_step = recs.append
+    plain.generate(prompts(1, seed=9), GREEDY)
+    assert all(math.isnan(r.context_seconds) and 0.0 <= r.plan_seconds < 0.04 for r in recs)
+
+
 def test_adoption_time_lands_in_the_next_step_record_only(pair: tuple[Path, Path]) -> None:
     """StepRecord.adopt_seconds: try_adopt's wall time since the previous record (the decode
     worker's work between steps that step_seconds leaves out), in the first record after the
