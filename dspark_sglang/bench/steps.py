@@ -5,7 +5,8 @@ Reads the step logs a server writes with `--step-log DIR` (one JSON `StepRecord`
 reports, per policy and running-request bin R (1, 2, 3-4, 5-8, … : up to a power of two), the
 decode steps' realised rate (tokens emitted per second of step time), tokens a step, how often
 the drafter ran and how often a lagged K was pinned (no search: engine/planner.py PIN_PLANS),
-median step / forward / drafter / host milliseconds, the capacity model's
+median step / forward / drafter / host milliseconds (and the host's timed parts: the planner
+before the forward, the drafter-context queue after it), the capacity model's
 median predicted / measured step time, and for lagged the tokens emitted over the tokens its K
 was planned on (the lagged survival's top K: what the lag costs the choice of K), and the time
 between steps: the mean gap from one decode step's end to the next one's start where both ran
@@ -67,6 +68,8 @@ class _Step(msgspec.Struct):
     probe: bool = False
     started_at: float | None = None
     adopt_seconds: float = 0.0
+    plan_seconds: float | None = None
+    context_seconds: float | None = None
     pinned: bool = False
     explored: bool = False
     # set by read_steps from the next record: the gap to it when it is a decode step of the
@@ -99,6 +102,10 @@ class BinRow:
     # lagged K > 0: median over those steps of the planned Θ (planned tokens / predicted seconds)
     # over the model's plain-step Θ when it was planned: the margin drafting was chosen on
     planned_over_plain: float = math.nan
+    # the parts of host_ms the engine times (StepRecord.plan_seconds, .context_seconds): the
+    # planner before the forward and the drafter-context queue after it; nan: an older log
+    plan_ms: float = math.nan
+    context_ms: float = math.nan
 
 
 def r_bin_bounds(r: int) -> tuple[int, int]:
@@ -213,6 +220,8 @@ def summarize(policy: str, steps: list[_Step]) -> list[BinRow]:
                     sum(t for t, _ in planned) / sum(p for _, p in planned) if planned else math.nan
                 ),
                 planned_over_plain=_median(margin),
+                plan_ms=1e3 * _median([s.plan_seconds for s in ss]),
+                context_ms=1e3 * _median([s.context_seconds for s in ss]),
             )
         )
     return rows
@@ -411,7 +420,7 @@ def print_table(rows: list[BinRow]) -> None:
         f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'pin%':>5s} {'B':>6s} "
         f"{'tok/step':>8s} "
         f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
-        f"{'host ms':>7s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s} "
+        f"{'host ms':>7s} {'plan ms':>7s} {'ctx ms':>6s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s} "
         f"{'plan/plain':>10s}"
     )
     print(head)
@@ -423,7 +432,8 @@ def print_table(rows: list[BinRow]) -> None:
             f"{r.tokens_per_step:8.2f} {r.tok_per_s:8.1f} "
             f"{r.tok_per_s / best[(r.r_lo, r.r_hi)]:6.3f} {_fmt(r.step_ms, '8.2f')} "
             f"{_fmt(r.forward_ms, '7.2f')} {_fmt(r.drafter_ms, '8.2f')} "
-            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.gap_ms, '6.2f')} {_fmt(r.adopt_ms, '8.2f')} "
+            f"{_fmt(r.host_ms, '7.2f')} {_fmt(r.plan_ms, '7.2f')} {_fmt(r.context_ms, '6.2f')} "
+            f"{_fmt(r.gap_ms, '6.2f')} {_fmt(r.adopt_ms, '8.2f')} "
             f"{_fmt(r.predicted_over_measured, '9.3f')} "
             f"{_fmt(r.realised_over_planned, '9.3f')} {_fmt(r.planned_over_plain, '10.3f')}"
         )

@@ -53,7 +53,10 @@ def test_r_bins_end_at_powers_of_two() -> None:
 
 
 def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
-    recs = [_rec(1, 1, 0.003, forward_seconds=0.0025) for _ in range(4)]  # plain, unpriced
+    recs = [  # plain, unpriced; the planner's and the context queue's parts of the host time
+        _rec(1, 1, 0.003, forward_seconds=0.0025, plan_seconds=1e-4 * i, context_seconds=2e-5)
+        for i in range(4)
+    ]
     recs += [  # drafting: 1 + 3 accepted tokens each, priced 10 % high
         _rec(
             1,
@@ -85,6 +88,8 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
     assert one.forward_ms == pytest.approx(2.5)
     assert one.drafter_ms == pytest.approx(5.0)
     assert one.host_ms == pytest.approx(0.5)  # 4 x 0.5 and 2 x 1.0
+    assert one.plan_ms == pytest.approx(0.15)  # 0, 0.1, 0.2, 0.3 ms; the drafting ones untimed
+    assert one.context_ms == pytest.approx(0.02)
     assert one.predicted_over_measured == pytest.approx(1.1)
     assert one.realised_over_planned == pytest.approx(8 / 10)  # the plain steps planned nothing
     assert one.planned_over_plain == pytest.approx((5 / 0.011 / 400 + 5 / 0.011 / 500) / 2)
@@ -94,6 +99,8 @@ def test_rates_and_medians_of_a_written_log(tmp_path: Path) -> None:
         three.forward_ms,
         three.drafter_ms,
         three.host_ms,
+        three.plan_ms,
+        three.context_ms,
         three.predicted_over_measured,
         three.realised_over_planned,
         three.planned_over_plain,
