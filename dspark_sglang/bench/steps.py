@@ -420,7 +420,8 @@ def print_table(rows: list[BinRow]) -> None:
         f"{'R':>7s} {'policy':14s} {'steps':>6s} {'draft%':>6s} {'pin%':>5s} {'B':>6s} "
         f"{'tok/step':>8s} "
         f"{'tok/s':>8s} {'/best':>6s} {'step ms':>8s} {'fwd ms':>7s} {'draft ms':>8s} "
-        f"{'host ms':>7s} {'plan ms':>7s} {'ctx ms':>6s} {'gap ms':>6s} {'adopt ms':>8s} {'pred/real':>9s} {'real/plan':>9s} "
+        f"{'host ms':>7s} {'plan ms':>7s} {'ctx ms':>6s} {'gap ms':>6s} {'adopt ms':>8s} "
+        f"{'pred/real':>9s} {'real/plan':>9s} "
         f"{'plan/plain':>10s}"
     )
     print(head)
