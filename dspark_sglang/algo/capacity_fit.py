@@ -209,6 +209,10 @@ def live_grid(knots: Sequence[float]) -> Array:
 # Drafting records at an R before its price caps the R above it (a few steps give a stable mean).
 CAP_MIN_RECORDS = 4
 
+# How far (log) one drafting step's own level may move its drafter seconds from the running
+# level's reading (`LiveEstimator._draft_at_level`): 2x, past any spell seen on the CPU host.
+LEVEL_CLIP = math.log(2.0)
+
 
 def _cap_above_seen(table: dict[int, tuple[float, float]], curve: Curve | None) -> Curve | None:
     """The drafter's price at an R above every R drafted so far, capped at the largest drafted
@@ -411,15 +415,13 @@ class LiveEstimator:
         self._count_experts(rec.routed_tokens_per_expert)
         fwd = rec.forward_seconds
         split = 0.0 < fwd <= y and math.isfinite(fwd)
-        dsec = 0.0
+        dsec = rest = 0.0
         if split:
             # The forward was timed alone: the rest of the step is the host's work, and on a
             # drafting step also everything drafting adds (the drafter, its bookkeeping, the
             # plan), which is what the planner must weigh against skipping it.
             rest = y - fwd
-            if drafted:
-                dsec = max(rest - self._host_at(rec.num_reqs), 0.0)
-            else:
+            if not drafted:
                 self._observe_host(rec.num_reqs, rest, fwd)
             y = fwd
         elif drafted:
@@ -462,7 +464,12 @@ class LiveEstimator:
         if abs(d) <= cfg.reject_z * sigma:
             if drafted:  # an outlier's drafting time is the stall's, not the drafter's
                 news = not untimed and self.drafts_timed(draft_r) < CAP_MIN_RECORDS
-                self._observe_draft(draft_r, dsec, untimed)
+                at_level = (
+                    self._draft_at_level(rec.num_reqs, rest, e - u)
+                    if split
+                    else dsec * math.exp(-self._g)
+                )
+                self._observe_draft(draft_r, at_level, untimed)
             self._g += max(cfg.rate, 1.0 / (self._n_g + 1.0 + cfg.prior_weight)) * (e - u - self._g)
             self._n_g += 1.0
             # Python floats, numpy's operations: the same value, without numpy scalars
@@ -489,15 +496,16 @@ class LiveEstimator:
         return self._publish() if news or self._since >= cfg.publish_every else None
 
     def _observe_draft(self, num_reqs: int, seconds: float, skip: bool = False) -> None:
-        """Whatever slows the forward (a CPU hog, a throttled GPU) slows the drafter and the host
-        alike, so their EWMAs hold seconds at the forward's level g = 0 and are published times
-        exp(g). Moving them by g's jumps at drift alarms alone ratcheted: a jump up and a gradual
-        return (the level's EWMA) left the drafter 2x dear, and at c = 1, where nearly every
-        drafting step is a probe or a resumed drafter, no observation ever brought it back
-        (in-process, 2026-12-01: 32-48 ms for a drafter that took 7-15 ms)."""
+        """`seconds`: what drafting added to a step, at the forward's level g = 0.
+
+        Whatever slows the forward (a CPU hog, a throttled GPU) slows the drafter and the host
+        alike, so their EWMAs hold seconds at the level and are published times exp(g). Moving
+        them by g's jumps at drift alarms alone ratcheted: a jump up and a gradual return (the
+        level's EWMA) left the drafter 2x dear, and at c = 1, where nearly every drafting step
+        is a probe or a resumed drafter, no observation ever brought it back (in-process,
+        2026-12-01: 32-48 ms for a drafter that took 7-15 ms)."""
         if skip:  # a probe's few rows, or a resumed drafter: no step's price (StepRecord)
             return
-        seconds *= math.exp(-self._g)
         mean, n = self._draft.get(num_reqs, (0.0, 0.0))
         if n >= 8:  # a spike rides on one step (HOST_SPIKE), not on the price
             seconds = min(seconds, HOST_SPIKE * mean)
@@ -510,6 +518,24 @@ class LiveEstimator:
         mean += max(self.cfg.rate, 1.0 / (n + 1.0)) * (seconds - mean)
         self._draft[num_reqs] = (mean, n + 1.0)
         self.drafts_observed += 1
+
+    def _draft_at_level(self, num_reqs: int, rest: float, level: float) -> float:
+        """A drafting step's seconds outside its timed forward (`rest`) -> what drafting added,
+        at the level g = 0, read at the step's own level (`level`: its forward's log residual
+        less its bucket's deviation) rather than at the running g: the drafter and the forward
+        share the core at that moment, so a slow spell that slows one slows the other. Served
+        CPU steps (s66_full, verify-all and fixed:3 at R = 4, 16, 32, 36 deployment cells):
+        per-step log drafting time against log forward time (less its bucket's median) has
+        slope 0.59-1.36 (median ~0.9), and the drafting time's spread falls from sd 0.051-0.213
+        to 0.041-0.117 read at the step's level, in 35 of the 36 cells. A lagged deployment
+        whose first whole-batch drafting steps at R = 16 ran in a spell (forward 1.5x its
+        price) stopped drafting there and never timed it again (s66_full, c = 16, one of six);
+        replayed into an estimator on the Zen 4 profile, its R = 16 price after those three
+        steps is 14.7 ms read at each step's level, 16.1 ms read at g. The step's level moves
+        the price at most LEVEL_CLIP (log) away from g's reading."""
+        lv = min(max(level, self._g - LEVEL_CLIP), self._g + LEVEL_CLIP)
+        host = self._host_at(num_reqs) * math.exp(-self._g)
+        return max(rest * math.exp(-lv) - host, 0.0)
 
     def drafts_timed(self, num_reqs: int) -> float:
         """Drafting steps that taught the draft term at R's bin (`r_bin`) or a larger one: at

@@ -1171,3 +1171,45 @@ def test_a_stalled_plain_step_at_a_new_r_does_not_price_every_larger_r() -> None
     first = LiveEstimator(TRUTH)  # nothing known yet: the step's own forward is the reference
     plain(first, 0, 24, 0.60)
     assert first._host_at(24) <= EARLY_SPIKE * TRUTH.predict(24, 24, 24 * c) * 1.01
+
+
+def test_drafting_steps_in_a_slow_spell_price_the_drafter_at_their_own_level() -> None:
+    """A host whose steps scatter by sd 0.08 (log) runs 1.35x slow for the first R = 16 steps,
+    the drafting ones among them, then at its usual speed for 300 plain steps. Drafting seconds
+    are read at each step's own level (its forward's), so the R = 16 price is what drafting
+    adds at the usual speed (0.99-1.06x over seeds 0-11). Read at the running level, which
+    trails a spell, it was 0.94-1.34x (1.27x with this seed): once too dear, a lagged K = 0
+    never drafts that R again to correct it."""
+    rng = np.random.default_rng(7)
+
+    def host(r: int) -> float:
+        return 0.0004 + 0.00005 * r
+
+    def extra(r: int) -> float:
+        return 0.004 + 0.0006 * r
+
+    def rec(t: int, r: int, drafted: bool, slow: float) -> StepRecord:
+        b, c = (8 * r if drafted else r), r * 800
+        f = slow * float(np.exp(rng.normal(0.0, 0.08)))
+        fwd = TRUTH.predict(r, b, c) * f
+        y = fwd + (host(r) + (extra(r) if drafted else 0.0)) * f
+        return StepRecord(
+            t,
+            r,
+            b,
+            0,
+            r,
+            c,
+            float(y),
+            draft_seconds=1e-4 if drafted else 0.0,
+            forward_seconds=float(fwd),
+            num_draft_reqs=r if drafted else 0,
+        )
+
+    recs = [rec(t, int(rng.choice([1, 2, 4, 8])), t % 2 == 0, 1.0) for t in range(400)]
+    recs += [rec(400 + t, 16, t % 2 == 1, 1.35) for t in range(10)]  # five drafting steps
+    recs += [rec(410 + t, 16, False, 1.0) for t in range(300)]
+    est = LiveEstimator(TRUTH)
+    for r in recs:
+        est.observe(r)
+    assert float(est.model.draft_seconds(16)) == pytest.approx(extra(16), rel=0.12)
