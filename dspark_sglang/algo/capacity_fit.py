@@ -528,7 +528,7 @@ class LiveEstimator:
         per-step log drafting time against log forward time (less its bucket's median) has
         slope 0.59-1.36 (median ~0.9), and the drafting time's spread falls from sd 0.051-0.213
         to 0.041-0.117 read at the step's level, in 35 of the 36 cells. A lagged deployment
-        whose first whole-batch drafting steps at R = 16 ran in a spell (forward 1.5x its
+        whose first whole-batch drafting steps at R = 16 ran in a spell (forward 1.2-1.5x its
         price) stopped drafting there and never timed it again (s66_full, c = 16, one of six);
         replayed into an estimator on the Zen 4 profile, its R = 16 price after those three
         steps is 14.7 ms read at each step's level, 16.1 ms read at g. The step's level moves
