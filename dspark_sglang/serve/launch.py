@@ -28,9 +28,13 @@ PARENT_ENV = "DSPARK_PARENT_PID"  # same name as serve.worker.PARENT_ENV (no tor
 CPUS_ENV = "DSPARK_LAUNCHER_CPUS"
 
 
-def _logging() -> None:
+def _logging(process: str = "") -> None:
+    """`process` (decode0, prefill1, ...) goes on every line: the workers of a deployment share
+    one log, and what one of them measured at load (its --cpu-gemm choice) is otherwise not
+    attributable to it."""
+    who = f"{process} " if process else ""
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
     )
 
 
@@ -55,7 +59,7 @@ def pin(cfg: Config, role: str, index: int = 0) -> tuple[int, ...]:
 
 def run_role(cfg: Config, role: str, index: int = 0) -> None:
     """Run one process of the deployment in the foreground."""
-    _logging()
+    _logging("" if role == "router" else f"{role}{index}")
     pinned = pin(cfg, role, index)
     if pinned:
         log.info(

@@ -114,3 +114,15 @@ def test_a_refused_pin_is_a_clear_error() -> None:
     assert out.returncode != 0
     err = out.stderr.decode()
     assert "--decode-cpus 4095" in err and "refused" in err and "Traceback" not in err
+
+
+def test_a_workers_log_lines_name_the_worker() -> None:
+    """Every worker of a deployment logs into one stream: a line carries its process's name
+    (decode0, prefill1), so what one worker measured at load can be told from another's."""
+    code = (
+        "import logging; from dspark_sglang.serve import launch; launch._logging('decode0'); "
+        "logging.getLogger('dspark_sglang.engine.runner').info('--cpu-gemm auto: x')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    assert "INFO decode0 dspark_sglang.engine.runner: --cpu-gemm auto: x" in out.stderr.decode()
